@@ -1,0 +1,209 @@
+"""Subscribe to a run: what the viewer, ``gradwatch tail`` and user scripts all use.
+
+    import gradwatch
+    for run in gradwatch.runs():
+        print(run.name, run.state)
+    with gradwatch.connect("my-run") as c:
+        print(c.schema.params[0].name)
+        for msg in c.records(timeout=5):
+            ...
+
+Every frame is verified and validated by :mod:`gradwatch.protocol` before it is yielded; every
+rejection is counted by reason in :attr:`Client.rejected`, never raised. Steps are checked
+against the schema (array lengths, module indices), and the history a late joiner receives is
+de-duplicated against what it already got, by sequence number.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from typing import Any, Iterator
+
+from gradwatch import protocol
+from gradwatch.protocol import DecodeError, Event, Heartbeat, History, Message, Schema, Step
+from gradwatch.transport import RunInfo, TransportError, find_run, list_runs
+
+_SEEN_MAX = 50_000
+
+
+def runs() -> list[RunInfo]:
+    """Runs that have a connection file on this machine, newest first (``state``: live/finished/crashed)."""
+    return list_runs()[0]
+
+
+class Client:
+    """A verified subscription to one run's telemetry stream."""
+
+    def __init__(self, info: RunInfo) -> None:
+        import zmq
+
+        self.info = info
+        self._zmq = zmq
+        self._signer = protocol.Signer(info.key)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.SUB)
+        for opt, val in ((zmq.LINGER, 0), (zmq.RCVHWM, 20_000), (zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES),
+                         (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000), (zmq.HEARTBEAT_IVL, 1000),
+                         (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
+            sock.setsockopt(opt, val)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            sock.connect(info.stream)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            self._ctx.destroy(linger=0)
+            raise TransportError(f"cannot connect to {info.stream}: {exc}") from None
+        self._sock = sock
+        self.schema: Schema | None = None
+        self.rejected: Counter[str] = Counter()
+        self.received = 0
+        self.last_heartbeat: Heartbeat | None = None
+        self._seen: set[int] = set()
+        self._seen_order: deque[int] = deque()
+        self._early: deque[Message] = deque(maxlen=4096)  # messages that arrived before the schema
+        self._ready: deque[Message] = deque()
+
+    # ------------------------------------------------------------------ receiving
+
+    def _fresh(self, seq: int) -> bool:
+        if seq in self._seen:
+            return False
+        self._seen.add(seq)
+        self._seen_order.append(seq)
+        if len(self._seen_order) > _SEEN_MAX:
+            self._seen.discard(self._seen_order.popleft())
+        return True
+
+    def _check_step(self, s: Step) -> None:
+        sc = self.schema
+        assert sc is not None
+        if s.run != sc.run:
+            raise DecodeError("invalid", "step of another run")
+        if len(s.grad_norm) != sc.n:
+            raise DecodeError("invalid", f"step has {len(s.grad_norm)} parameters, schema {sc.n}")
+        nmod = len(sc.modules)
+        if s.act is not None and any(m >= nmod for m in s.act.modules):
+            raise DecodeError("invalid", "activation module index out of range")
+        if s.first_nonfinite_module is not None and s.first_nonfinite_module >= nmod:
+            raise DecodeError("invalid", "module index out of range")
+
+    def _accept(self, msg: Message) -> None:
+        """Route one verified message: schema first, then steps/events checked against it."""
+        if isinstance(msg, Schema):
+            if msg.run != self.info.run:
+                self.rejected["invalid"] += 1
+                return
+            self.schema = msg
+            self._ready.append(msg)
+            early, self._early = list(self._early), deque(maxlen=4096)
+            for m in early:
+                self._accept(m)
+            return
+        if self.schema is None:
+            self._early.append(msg)
+            return
+        if isinstance(msg, History):
+            items: list[Message] = sorted([*msg.steps, *msg.events], key=lambda m: m.seq)
+            for m in items:
+                self._accept(m)
+            return
+        if isinstance(msg, (Step, Event)) and not self._fresh(msg.seq):
+            return
+        if isinstance(msg, Step):
+            try:
+                self._check_step(msg)
+            except DecodeError as exc:
+                self.rejected[exc.reason] += 1
+                return
+        if isinstance(msg, Heartbeat):
+            self.last_heartbeat = msg
+        self._ready.append(msg)
+
+    def _poll_frame(self, timeout: float) -> bool:
+        zmq = self._zmq
+        if not self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
+            return False
+        try:
+            frame = self._sock.recv(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return False
+        self.received += 1
+        try:
+            msg = protocol.decode(frame, self._signer)
+        except DecodeError as exc:
+            self.rejected[exc.reason] += 1
+            return True
+        if isinstance(msg, (protocol.Command, protocol.Reply)):
+            self.rejected["invalid"] += 1
+            return True
+        self._accept(msg)
+        return True
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        """The next verified message, or None after ``timeout`` seconds (None: wait forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready:
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._poll_frame(min(left, 1.0))
+        return self._ready.popleft()
+
+    def records(self, timeout: float | None = None) -> Iterator[Message]:
+        """Yield messages as they come; stop after ``timeout`` seconds without any (None: never)."""
+        while True:
+            msg = self.recv(timeout)
+            if msg is None:
+                return
+            yield msg
+
+    def wait_schema(self, timeout: float = 5.0) -> Schema:
+        """Block until the run's schema arrived (it is sent to every new subscriber)."""
+        deadline = time.monotonic() + timeout
+        while self.schema is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(self._silence_reason(timeout))
+            self._poll_frame(min(left, 0.25))
+        return self.schema
+
+    def _silence_reason(self, timeout: float) -> str:
+        where = self.info.stream
+        if self.rejected:
+            detail = ", ".join(f"{k} x{v}" for k, v in self.rejected.most_common())
+            return f"{where} answers, but not with this run's signed frames ({detail}): a foreign endpoint or a stale key"
+        return f"no answer from {where} within {timeout:g}s (is run {self.info.name!r} still running?)"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        try:
+            self._sock.close(linger=0)
+            self._ctx.destroy(linger=0)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def connect(run: str | RunInfo | None = None, *, timeout: float = 5.0) -> Client:
+    """Attach to a run (id, name, pid, connection file, endpoint with a known key, or a RunInfo).
+
+    Returns once the schema has arrived. Raises :class:`~gradwatch.transport.TransportError` with a
+    one-line message if the run is unknown, ended, unreachable or speaks with another key.
+    """
+    info = run if isinstance(run, RunInfo) else find_run(run)
+    if info.state != "live":
+        raise TransportError(f"run {info.name!r} ({info.run}) has {info.state}; there is nothing to attach to")
+    client = Client(info)
+    try:
+        client.wait_schema(timeout)
+    except BaseException:
+        client.close()
+        raise
+    return client

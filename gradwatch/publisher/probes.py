@@ -1,0 +1,342 @@
+"""On-device statistics for one step, computed in bulk and shipped as one float32 buffer.
+
+Cost rules (FINDINGS 6-8, 27; research/performance.md §7):
+
+* Per published step: one ``torch._foreach_norm`` over the gradients, grouped by (device, dtype),
+  accumulated in float32, and one ``torch.cat`` of everything into a single buffer. No ``.item()``
+  per parameter. On CUDA the buffer is copied ``non_blocking`` into pinned memory and a pooled CUDA
+  event is recorded; the sender thread waits on the event, never the training thread.
+* Non-finite detection is exact and never inferred from an L2 overflow: on CUDA the max-abs norm
+  (NaN iff a NaN, inf iff an inf) is computed every published step by the fused foreach kernel; on
+  CPU, where that kernel is 10x slower than ``aminmax`` and there is no device queue to stall, the
+  L2 norms are read at once and only when one is non-finite are the flagged tensors classified
+  exactly (max-abs and a count). That keeps the common path to one pass over the gradient bytes.
+* "Detail" steps (every ``detail_every`` published steps) add gradient max-abs, weight norms and
+  a weight snapshot whose difference at the next step boundary gives ``||dw|| / ||w||``. They cost
+  three to four more passes over the parameters, so they are sampled by default.
+* Activation statistics use forward hooks that are attached only for the steps that need them.
+
+Only this module and ``watcher.py`` touch torch; both import it lazily through ``gradwatch.watch``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+INF = float("inf")
+DATA_FIELDS = ("numel", "nonfinite", "min", "max", "mean", "std")
+
+
+@dataclass(slots=True)
+class Work:
+    """What the training thread hands to the sender: one step, values still on the device."""
+
+    step: int
+    ts: float
+    buf: torch.Tensor  # float32, 1-D; on CPU, or pinned host memory on CUDA (then ``event`` is set)
+    layout: dict[str, tuple[int, int]]  # name -> (start, stop) in ``buf``
+    event: Any = None  # torch.cuda.Event to wait on before reading ``buf``
+    meta: dict[str, Any] = field(default_factory=dict)  # host-side values: opt, user, nograd, exact nonfinite...
+
+
+class Parts:
+    """Accumulates float32 pieces of one step's buffer and where each one lands in it."""
+
+    __slots__ = ("tensors", "layout", "pos")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.layout: dict[str, tuple[int, int]] = {}
+        self.pos = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        t = t.reshape(-1)
+        if t.dtype != torch.float32:
+            t = t.float()
+        self.tensors.append(t)
+        self.layout[name] = (self.pos, self.pos + t.numel())
+        self.pos += t.numel()
+
+
+def module_tree(model: torch.nn.Module) -> tuple[list[tuple[str, str, int]], dict[str, int]]:
+    """(name, type, parent index) for every module, root first, and a name -> index map."""
+    mods: list[tuple[str, str, int]] = []
+    index: dict[str, int] = {}
+    for name, mod in model.named_modules():
+        parent = -1
+        if name:
+            parent = index.get(name.rsplit(".", 1)[0] if "." in name else "", 0)
+        index[name] = len(mods)
+        mods.append((name or type(mod).__name__, type(mod).__name__, parent))
+    return mods, index
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for x in out:
+            if isinstance(x, torch.Tensor):
+                return x
+    if isinstance(out, dict):
+        for x in out.values():
+            if isinstance(x, torch.Tensor):
+                return x
+    return None
+
+
+class ActivationProbe:
+    """Forward hooks on leaf modules recording output min/max/mean on the device, in forward order."""
+
+    def __init__(self, model: torch.nn.Module, module_index: dict[str, int]) -> None:
+        self._targets = [(module_index[name], mod) for name, mod in model.named_modules()
+                         if name and not any(True for _ in mod.children())]
+        self._handles: list[Any] = []
+        self._order: list[int] = []
+        self._stats: list[torch.Tensor] = []
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self) -> None:
+        if self._handles:
+            return
+        for idx, mod in self._targets:
+            self._handles.append(mod.register_forward_hook(self._make_hook(idx)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.reset()
+
+    def reset(self) -> None:
+        self._order.clear()
+        self._stats.clear()
+
+    def _make_hook(self, idx: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            try:
+                t = _first_tensor(out)
+                if t is None or not t.is_floating_point() or t.numel() == 0:
+                    return
+                t = t.detach()
+                lo, hi = torch.aminmax(t)  # NaN propagates: exact non-finite flag
+                self._stats.append(torch.stack((lo.float(), hi.float(), t.float().mean())))
+                self._order.append(idx)
+            except Exception:  # never break the user's forward pass
+                pass
+        return hook
+
+    def take(self) -> tuple[list[int], torch.Tensor | None]:
+        """The modules seen since the last take, in forward order, and their (m, 3) stats."""
+        order, stats = list(self._order), list(self._stats)
+        self.reset()
+        if not stats:
+            return order, None
+        devices = {s.device for s in stats}
+        if len(devices) > 1:
+            dev = stats[0].device
+            stats = [s.to(dev, non_blocking=True) for s in stats]
+        return order, torch.stack(stats)
+
+
+def data_stats(t: Any, exact_on_host: bool) -> torch.Tensor | None:
+    """[numel, nonfinite, min, max, mean, std] of a batch, over its finite values.
+
+    On CPU the cheap pass (aminmax, std_mean) is checked on the host and the masked pass runs only if
+    something is non-finite; on CUDA the masked pass always runs so no value is read on the host.
+    """
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    x = t.detach()
+    if x.is_complex():
+        x = x.abs()
+    x = x.float() if not x.is_floating_point() or x.dtype != torch.float32 else x
+    numel = float(x.numel())
+    if exact_on_host:
+        lo, hi = torch.aminmax(x)
+        if math.isfinite(float(lo)) and math.isfinite(float(hi)):  # CPU: no device queue to stall
+            std, mean = torch.std_mean(x, unbiased=False)
+            return torch.stack((torch.tensor(numel), torch.tensor(0.0), lo, hi, mean, std))
+    fin = torch.isfinite(x)
+    cnt = fin.sum()
+    nonfinite = numel - cnt.float()
+    safe_cnt = cnt.clamp_min(1).float()
+    xs = torch.where(fin, x, 0.0)
+    mean = xs.sum() / safe_cnt
+    var = (torch.where(fin, x - mean, 0.0) ** 2).sum() / safe_cnt
+    lo = torch.where(fin, x, INF).amin()
+    hi = torch.where(fin, x, -INF).amax()
+    return torch.stack((torch.tensor(numel, device=x.device), nonfinite, lo, hi, mean, var.sqrt()))
+
+
+class _EventPool:
+    """A ring of reusable CUDA events: none is created or destroyed per step (R-A10)."""
+
+    def __init__(self, size: int) -> None:
+        self._events = [torch.cuda.Event() for _ in range(size)]
+        self._i = 0
+
+    def next(self) -> Any:
+        ev = self._events[self._i]
+        self._i = (self._i + 1) % len(self._events)
+        return ev
+
+
+class GradProbe:
+    """Per-parameter gradient, weight and update statistics for a fixed list of parameters."""
+
+    def __init__(self, params: list[torch.nn.Parameter], *, update_ratio: bool, queue_size: int) -> None:
+        self.params = params
+        self.n = len(params)
+        self.update_ratio = update_ratio
+        self._snap: list[torch.Tensor] | None = None  # weights at the last detail step (kept allocated)
+        self._snap_active = False
+        self._snap_step = 0
+        self._snap_wn: torch.Tensor | None = None
+        self._pending_ur: tuple[int, torch.Tensor] | None = None
+        self._zeros: dict[torch.device, torch.Tensor] = {}
+        first = params[0] if params else None
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self._events = _EventPool(queue_size + 4) if self.cuda else None
+
+    def _zero(self, device: torch.device) -> torch.Tensor:
+        z = self._zeros.get(device)
+        if z is None:
+            z = self._zeros[device] = torch.zeros((), device=device, dtype=torch.float32)
+        return z
+
+    def _grouped(self, tensors: list[torch.Tensor | None]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(tensors):
+            if t is not None:
+                groups.setdefault((t.device, t.dtype), []).append(i)
+        return groups
+
+    def _foreach_norm(self, tensors: list[torch.Tensor | None], ord: float) -> list[torch.Tensor]:
+        """Norms in parameter order (0 for missing tensors), as float32 0-d tensors on the main device."""
+        out: list[torch.Tensor] = [self._zero(self.device)] * len(tensors)
+        for (dev, _dt), idxs in self._grouped(tensors).items():
+            group = [tensors[i] for i in idxs]
+            norms = torch._foreach_norm(group, ord, dtype=torch.float32) if ord == 2 else torch._foreach_norm(group, ord)
+            for i, v in zip(idxs, norms):
+                out[i] = v if dev == self.device else v.to(self.device, non_blocking=True)
+        return out
+
+    @staticmethod
+    def _maxabs_exact(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(max-abs, count of non-finite elements) of one tensor, exactly."""
+        lo, hi = torch.aminmax(g)
+        return torch.maximum(lo.float().neg(), hi.float()), (~torch.isfinite(g)).sum()
+
+    def settle(self) -> None:
+        """At every step boundary: if a snapshot was taken at the previous one, measure the update.
+
+        The weights now are the weights after that step's ``optimizer.step()``, so
+        ``||w_old - w_now|| / ||w_old||`` is its update ratio (0 when GradScaler skipped the step).
+        """
+        if not (self._snap_active and self._snap is not None and self._snap_wn is not None):
+            return
+        with torch.no_grad():
+            live = [p.detach() for p in self.params]
+            torch._foreach_sub_(self._snap, live)  # snap := w_old - w_new
+            dw = torch.stack(self._foreach_norm(self._snap, 2.0))  # type: ignore[arg-type]
+            self._pending_ur = (self._snap_step, dw / self._snap_wn.clamp_min(1e-30))
+        self._snap_active = False
+
+    def collect(self, parts: Parts, meta: dict[str, Any], step: int, detail: bool) -> None:
+        """Append this step's gradient (and, on detail steps, weight) statistics to ``parts``."""
+        grads: list[torch.Tensor | None] = [p.grad for p in self.params]
+        nograd = [i for i, g in enumerate(grads) if g is None]
+        if nograd:
+            meta["nograd"] = nograd
+        add = parts.add
+        gn = torch.stack(self._foreach_norm(grads, 2.0)) if self.n else torch.zeros(0)
+        add("gn", gn)
+        if self.cuda:
+            add("gmax", torch.stack(self._foreach_norm(grads, INF)))  # fused on CUDA: cheap and exact
+        elif self.n:
+            # CPU: reading the norms costs nothing (no device queue). Classify exactly only if needed.
+            norms = gn.tolist()
+            bad = [i for i, v in enumerate(norms) if not math.isfinite(v)]
+            if detail or bad:
+                stats = [self._maxabs_exact(g) if g is not None else (self._zero(self.device), self._zero(self.device))
+                         for g in grads]
+                gmax = torch.stack([s[0] for s in stats])
+                add("gmax", gmax)
+                if bad:
+                    counts = torch.stack([stats[i][1] for i in bad]).tolist()
+                    meta["nonfinite"] = {i: int(c) for i, c in zip(bad, counts) if c > 0}
+                else:
+                    meta["nonfinite"] = {}
+            else:
+                meta["nonfinite"] = {}
+        if self._pending_ur is not None:
+            ur_step, ur = self._pending_ur
+            add("ur", ur)
+            meta["ur_step"] = ur_step
+            self._pending_ur = None
+        if detail and self.n:
+            with torch.no_grad():
+                weights = [p.detach() for p in self.params]
+                wn = torch.stack(self._foreach_norm(weights, 2.0))  # type: ignore[arg-type]
+                add("wn", wn)
+                if self.update_ratio:
+                    if self._snap is None:
+                        self._snap = [w.clone() for w in weights]
+                    else:
+                        torch._foreach_copy_(self._snap, weights)
+                    self._snap_wn, self._snap_step, self._snap_active = wn, step, True
+
+    def finish(self, parts: Parts, step: int, ts: float, meta: dict[str, Any]) -> Work:
+        """One buffer for the whole step; on CUDA an async copy to pinned memory plus an event."""
+        tensors = [p if p.device == self.device else p.to(self.device, non_blocking=True) for p in parts.tensors]
+        buf = torch.cat(tensors) if tensors else torch.zeros(0)
+        layout = parts.layout
+        if not self.cuda:
+            return Work(step, ts, buf, layout, None, meta)
+        host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)  # served by torch's caching host allocator
+        host.copy_(buf, non_blocking=True)
+        assert self._events is not None
+        ev = self._events.next()
+        ev.record()
+        return Work(step, ts, host, layout, ev, meta)
+
+
+def scalar_part(value: Any, device: torch.device) -> torch.Tensor | None:
+    """A float32 1-element tensor for a loss/lr/scale given as a tensor (stays on device) or a number."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            value = value.detach().float().mean()
+        return value.detach().reshape(1).float().to(device, non_blocking=True)
+    return None
+
+
+def hyper_of(groups: Iterable[dict[str, Any]]) -> tuple[list[dict[str, float]], list[tuple[int, str, torch.Tensor]]]:
+    """Plain numeric hyper-parameters per group, plus tensor-valued ones that must travel on device."""
+    out: list[dict[str, float]] = []
+    tensors: list[tuple[int, str, torch.Tensor]] = []
+    for gi, g in enumerate(groups):
+        h: dict[str, float] = {}
+        for key in ("lr", "momentum", "weight_decay", "eps", "dampening"):
+            v = g.get(key)
+            if isinstance(v, torch.Tensor):
+                tensors.append((gi, key, v))
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                h[key] = float(v)
+        betas = g.get("betas")
+        if isinstance(betas, (tuple, list)) and len(betas) == 2:
+            for k, b in zip(("beta1", "beta2"), betas):
+                if isinstance(b, torch.Tensor):
+                    tensors.append((gi, k, b))
+                elif isinstance(b, (int, float)):
+                    h[k] = float(b)
+        out.append(h)
+    return out, tensors

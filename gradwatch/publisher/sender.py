@@ -1,0 +1,319 @@
+"""The background sender: bounded queue -> signed frames -> XPUB socket, never blocking the trainer.
+
+The training thread only calls :meth:`Sender.submit` (a ``deque.append`` and an ``Event.set``;
+FINDINGS 11: sub-microsecond, where an inline zmq send had 4-10 ms worst cases). Everything else --
+waiting for the device copy, encoding, signing, sending, heartbeats, answering new viewers -- runs
+here, in one daemon thread that owns the socket (zmq sockets are not thread-safe).
+
+Bounds (FINDINGS 9-10, R-A5): the queue has ``maxlen`` (the oldest item is dropped and counted),
+the socket's SNDHWM is sized from the frame size so a stalled viewer costs at most ~32 MiB, frames
+above ``MAX_FRAME_BYTES`` are dropped and counted, the history ring is capped in steps and bytes,
+and ``LINGER=0`` means closing never waits for a viewer.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+
+from gradwatch import protocol
+from gradwatch._warn import warn
+from gradwatch.protocol import DataStats, Event, Heartbeat, Signer, Step
+
+HEARTBEAT_S = 1.0
+#: After this many consecutive failures the sender stops trying (one warning); training goes on.
+MAX_CONSECUTIVE_ERRORS = 20
+
+
+@dataclass(slots=True)
+class SenderConfig:
+    run: str
+    history_steps: int = 2000
+    history_bytes: int = 32 * 1024 * 1024
+    queue_size: int = 64
+    scaler_enabled: bool = False
+    counters_extra: Callable[[], dict[str, int]] | None = None
+
+
+@dataclass(slots=True)
+class _EventItem:
+    event: str
+    step: int
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Sender(threading.Thread):
+    """Owns the stream socket after construction (migrated from the creating thread at start())."""
+
+    def __init__(self, cfg: SenderConfig, signer: Signer, socket: Any, schema_body: Callable[[int, float], bytes]):
+        super().__init__(name="gradwatch-sender", daemon=True)
+        self.cfg = cfg
+        self._signer = signer
+        self._sock = socket
+        self._schema_body = schema_body  # (seq, ts) -> packed schema body
+        self._queue: deque[Any] = deque(maxlen=cfg.queue_size)
+        self._wake = threading.Event()
+        self._stop_flag = False
+        self._final: _EventItem | None = None
+        self._seq = 0
+        self._history: deque[bytes] = deque()
+        self._history_bytes = 0
+        self._events: deque[bytes] = deque(maxlen=256)
+        self._last_step = -1
+        self._last_scale: float | None = None
+        self._paused = False
+        self.counters: dict[str, int] = {
+            "sent": 0, "dropped_queue": 0, "dropped_send": 0, "oversize": 0, "errors": 0, "subscribers": 0,
+        }
+        self.failed = False
+        self._consecutive_errors = 0
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------------ training thread side
+
+    def submit(self, item: Any) -> None:
+        """O(1), never blocks. When the queue is full the oldest item is dropped (and counted)."""
+        q = self._queue
+        if len(q) == q.maxlen:
+            self.counters["dropped_queue"] += 1
+        q.append(item)
+        self._wake.set()
+
+    def event(self, name: str, step: int, message: str = "", data: dict[str, Any] | None = None) -> None:
+        self.submit(_EventItem(name, step, message, data or {}))
+
+    def stop(self, final: tuple[str, str] | None = None, timeout: float = 1.0) -> None:
+        """Ask the thread to flush what it can, publish ``final`` (event, message) and close the socket."""
+        if final is not None:
+            self._final = _EventItem(final[0], self._last_step, final[1])
+        self._stop_flag = True
+        self._wake.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+
+    # ------------------------------------------------------------------ sender thread
+
+    def run(self) -> None:  # noqa: C901 - the loop is the whole point of this class
+        import zmq
+
+        sock = self._sock
+        next_hb = 0.0
+        try:
+            while True:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                if self.failed:
+                    if self._stop_flag:
+                        break
+                    self._queue.clear()
+                    continue
+                try:
+                    self._answer_subscriptions(zmq)
+                    deadline = time.monotonic() + (0.5 if self._stop_flag else 0.2)
+                    while self._queue and time.monotonic() < deadline:
+                        self._process(self._queue.popleft(), zmq)
+                    now = time.monotonic()
+                    if now >= next_hb:
+                        self._send(self._heartbeat_body(), zmq)
+                        next_hb = now + HEARTBEAT_S
+                    self._consecutive_errors = 0
+                except Exception as exc:  # noqa: BLE001 - count, warn once, never reach the trainer
+                    self._error(exc)
+                if self._stop_flag:
+                    break
+            if self._final is not None and not self.failed:
+                try:
+                    self._send(self._event_body(self._final), zmq)
+                except Exception:  # noqa: BLE001
+                    pass
+        finally:
+            try:
+                sock.close(linger=0)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _error(self, exc: BaseException) -> None:
+        self.counters["errors"] += 1
+        self._consecutive_errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if self._consecutive_errors >= MAX_CONSECUTIVE_ERRORS and not self.failed:
+            self.failed = True
+            warn(f"the telemetry sender failed {self._consecutive_errors} times in a row ({self.last_error}); "
+                 "it has stopped publishing. Training is not affected.", key="sender-failed")
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _send(self, body: bytes, zmq: Any) -> None:
+        frame = self._signer.sign(body)
+        if len(frame) > protocol.MAX_FRAME_BYTES:
+            self.counters["oversize"] += 1
+            return
+        try:
+            self._sock.send(frame, zmq.NOBLOCK)
+            self.counters["sent"] += 1
+        except zmq.Again:
+            self.counters["dropped_send"] += 1
+
+    def _answer_subscriptions(self, zmq: Any) -> None:
+        """XPUB hands us b'\\x01'+topic per subscriber (XPUB_VERBOSE): reply with schema + history."""
+        joined = False
+        while self._sock.poll(0, zmq.POLLIN):
+            msg = self._sock.recv(zmq.NOBLOCK)
+            if msg[:1] == b"\x01":
+                self.counters["subscribers"] += 1
+                joined = True
+            elif msg[:1] == b"\x00":
+                self.counters["subscribers"] = max(0, self.counters["subscribers"] - 1)
+        if joined:
+            self._send(self._schema_body(self._next_seq(), time.time()), zmq)
+            self._send_history(zmq)
+
+    def _send_history(self, zmq: Any) -> None:
+        steps = list(self._history)
+        events = list(self._events)
+        chunk: list[bytes] = []
+        size = 0
+        limit = 1024 * 1024
+        for body in steps:
+            if chunk and size + len(body) > limit:
+                self._send(protocol.history_body(self.cfg.run, self._next_seq(), time.time(), chunk, []), zmq)
+                chunk, size = [], 0
+            chunk.append(body)
+            size += len(body)
+        self._send(protocol.history_body(self.cfg.run, self._next_seq(), time.time(), chunk, events), zmq)
+
+    def _remember(self, body: bytes) -> None:
+        h = self._history
+        h.append(body)
+        self._history_bytes += len(body)
+        while h and (len(h) > self.cfg.history_steps or self._history_bytes > self.cfg.history_bytes):
+            self._history_bytes -= len(h.popleft())
+
+    def _heartbeat_body(self) -> bytes:
+        counters = dict(self.counters)
+        counters["queued"] = len(self._queue)
+        counters["history"] = len(self._history)
+        if self.cfg.counters_extra is not None:
+            counters.update(self.cfg.counters_extra())
+        hb = Heartbeat(run=self.cfg.run, seq=self._next_seq(), ts=time.time(), step=self._last_step,
+                       counters=counters, paused=self._paused)
+        return protocol.pack_body(hb)
+
+    def _event_body(self, item: _EventItem) -> bytes:
+        ev = Event(run=self.cfg.run, seq=self._next_seq(), ts=time.time(), event=item.event, step=item.step,
+                   message=item.message, data=item.data)
+        body = protocol.pack_body(ev)
+        self._events.append(body)
+        return body
+
+    def _process(self, item: Any, zmq: Any) -> None:
+        if isinstance(item, _EventItem):
+            if item.event == "paused":
+                self._paused = True
+            elif item.event == "resumed":
+                self._paused = False
+            self._send(self._event_body(item), zmq)
+            return
+        step, events = self.build_step(item)
+        body = msgpack.packb(protocol.step_body(step), use_bin_type=True)
+        self._remember(body)
+        self._last_step = step.step
+        self._send(body, zmq)
+        for ev in events:
+            self._send(self._event_body(ev), zmq)
+
+    # ------------------------------------------------------------------ decoding the device buffer
+
+    def build_step(self, work: Any) -> tuple[Step, list[_EventItem]]:
+        """Turn one :class:`~gradwatch.publisher.probes.Work` into a protocol Step (host side only)."""
+        if work.event is not None:
+            work.event.synchronize()  # waits in this thread only; the trainer never syncs for us
+        vals = work.buf.numpy() if hasattr(work.buf, "numpy") else np.asarray(work.buf, dtype=np.float32)
+        lay = work.layout
+        meta = work.meta
+
+        def sl(name: str) -> np.ndarray | None:
+            if name not in lay:
+                return None
+            a, b = lay[name]
+            return vals[a:b]
+
+        def scalar(name: str, default: float | None = None) -> float | None:
+            v = sl(name)
+            return float(v[0]) if v is not None and len(v) else default
+
+        loss = scalar("loss", meta.get("loss"))
+        gn = sl("gn")
+        gn = np.zeros(0, np.float32) if gn is None else gn
+        gmax = sl("gmax")
+        scale = scalar("scale")
+        if scale is not None and meta.get("scaled") and scale > 0:
+            gn = (gn / np.float32(scale)).astype(np.float32)
+            if gmax is not None:
+                gmax = (gmax / np.float32(scale)).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = float(np.float32(math.sqrt(float(np.sum(gn.astype(np.float64) ** 2))))) if len(gn) else 0.0
+        nonfinite: dict[int, int]
+        if "nonfinite" in meta:
+            nonfinite = dict(meta["nonfinite"])
+        elif gmax is not None:
+            nonfinite = {int(i): -1 for i in np.flatnonzero(~np.isfinite(gmax))}
+        else:
+            nonfinite = {}
+        opt = [dict(g) for g in meta.get("opt", ())]
+        for gi, key in meta.get("opt_tensors", ()):
+            v = scalar(f"opt:{gi}:{key}")
+            if v is not None and gi < len(opt):
+                opt[gi][key] = v
+        data: dict[str, DataStats] = {}
+        for name in ("inputs", "targets"):
+            v = sl(f"data:{name}")
+            if v is not None:
+                data[name] = DataStats(int(v[0]), int(v[1]), float(v[2]), float(v[3]), float(v[4]), float(v[5]))
+        act = None
+        fnm = None
+        av = sl("act")
+        if av is not None:
+            mods = tuple(meta.get("act_modules", ()))
+            a3 = av.reshape(-1, 3)
+            bad = tuple(int(i) for i in np.flatnonzero(~(np.isfinite(a3[:, 0]) & np.isfinite(a3[:, 1]))))
+            act = protocol.ActStats(modules=mods, min=a3[:, 0].tobytes(), max=a3[:, 1].tobytes(),  # type: ignore[arg-type]
+                                    mean=a3[:, 2].tobytes(), nonfinite=bad)  # type: ignore[arg-type]
+            if bad:
+                fnm = mods[bad[0]]
+        user = dict(meta.get("user", {}))
+        for name in lay:
+            if name.startswith("user:"):
+                user[name[5:]] = scalar(name)
+        skipped = bool(self.cfg.scaler_enabled and nonfinite)
+        events: list[_EventItem] = []
+        if skipped:
+            events.append(_EventItem("skipped_step", work.step,
+                                     f"GradScaler skips this optimizer step: non-finite gradients in "
+                                     f"{len(nonfinite)} parameter(s)", {"scale": scale}))
+        if scale is not None and self._last_scale is not None and scale < self._last_scale:
+            events.append(_EventItem("scaler_backoff", work.step, f"loss scale backed off {self._last_scale:g} -> {scale:g}",
+                                     {"from": self._last_scale, "to": scale}))
+        if scale is not None:
+            self._last_scale = scale
+        ur = sl("ur")
+        step = Step(
+            run=self.cfg.run, step=work.step, seq=self._next_seq(), ts=work.ts, loss=loss, total=total,
+            grad_norm=gn.tobytes(), grad_max=gmax.tobytes() if gmax is not None else None,  # type: ignore[arg-type]
+            nonfinite=nonfinite, nograd=tuple(meta.get("nograd", ())),
+            weight_norm=sl("wn").tobytes() if "wn" in lay else None,  # type: ignore[union-attr,arg-type]
+            update_ratio=ur.tobytes() if ur is not None else None,  # type: ignore[arg-type]
+            update_step=meta.get("ur_step"), opt=tuple(opt), scale=scale, skipped=skipped, data=data, act=act,
+            first_nonfinite_module=fnm, user=user,
+        )
+        return step, events

@@ -1,0 +1,515 @@
+"""The trainer-side handle returned by :func:`gradwatch.watch`.
+
+Rules it lives by (brief non-negotiable 3, research/reliability.md §9.1):
+
+* Every public method is wrapped: no exception from gradwatch reaches the training loop. Internal
+  errors are counted; after ``MAX_CONSECUTIVE_ERRORS`` in a row gradwatch disables itself with one
+  warning.
+* The training thread does only on-device work plus a ``deque.append``; no zmq, no msgpack, no
+  per-parameter ``.item()``. Sockets, encoding and signing live in the sender thread.
+* No signal handlers. In a forked child (DataLoader workers) every call is a no-op.
+* ``close()`` (also run at exit) never waits more than about a second: LINGER=0 everywhere.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket as _socket
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradwatch import protocol, transport
+from gradwatch._warn import warn
+from gradwatch.publisher.probes import ActivationProbe, GradProbe, Parts, data_stats, hyper_of, module_tree, scalar_part
+from gradwatch.publisher.sender import Sender, SenderConfig
+
+MAX_CONSECUTIVE_ERRORS = 10
+STALLED_VIEWER_BUDGET = 32 * 1024 * 1024  # bytes a stalled viewer may cost us in zmq queues
+
+
+@dataclass(kw_only=True, slots=True)
+class WatchConfig:
+    """Options of :func:`gradwatch.watch`, validated up front with a clear message."""
+
+    name: str | None = None
+    every: int = 1
+    detail_every: int = 10
+    activations: int = 0
+    update_ratio: bool | None = None
+    control: bool = True
+    endpoint: str | None = None
+    history: int = 2000
+    queue_size: int = 64
+    announce: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("every", "detail_every", "history", "queue_size"):
+            v = getattr(self, key)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"gradwatch.watch({key}=...) must be a positive integer, got {v!r}")
+        if type(self.activations) is not int or self.activations < 0:
+            raise ValueError(f"gradwatch.watch(activations=...) must be an integer >= 0 (0 = off), got {self.activations!r}")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip() or len(self.name) > 200):
+            raise ValueError("gradwatch.watch(name=...) must be a non-empty string of at most 200 characters")
+        if self.endpoint is not None and not isinstance(self.endpoint, str):
+            raise ValueError("gradwatch.watch(endpoint=...) must be a string such as 'tcp://127.0.0.1:0'")
+
+
+# -------------------------------------------------------------------- process-wide exit bookkeeping
+
+_crash: list[str] = []
+_hook_installed = False
+
+
+def _install_excepthook() -> None:
+    """Remember an uncaught exception so an unclosed run is reported as crashed, not finished."""
+    global _hook_installed
+    if _hook_installed:
+        return
+    _hook_installed = True
+    previous = sys.excepthook
+
+    def hook(exc_type: Any, exc: Any, tb: Any) -> None:
+        _crash.append(f"{exc_type.__name__}: {exc}"[:500])
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _close_at_exit(ref: weakref.ReferenceType[Watcher]) -> None:
+    w = ref()
+    if w is not None:
+        w._close(crashed=_crash[-1] if _crash else None)
+
+
+def _rank_world() -> tuple[int, int]:
+    try:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError:
+        return 0, 1
+
+
+class Watcher:
+    """Publishes per-step telemetry of one model. Create it with :func:`gradwatch.watch`."""
+
+    enabled = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any = None, *, cfg: WatchConfig, scaler: Any = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"gradwatch.watch() needs a torch.nn.Module, got {type(model).__name__}")
+        self.cfg = cfg
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self._step = 0
+        self._published = 0
+        self._explicit = False
+        self._hook_boundary_done = False
+        self._pending_loss: Any = None
+        self._user: dict[str, Any] = {}
+        self._errors = 0
+        self._consecutive = 0
+        self._forked_calls = 0
+        self._closed = False
+        self.disabled_reason: str | None = None
+        self._act_armed = 0
+        self._act_every = cfg.activations
+        self._handles: list[Any] = []
+        self._scaler_step: Any = None
+        self.sender: Sender | None = None
+        self.connection_file: Path | None = None
+        self.endpoint: str | None = None
+        self._ctx: Any = None
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        params = [p for _, p in named]
+        modules, index = module_tree(model)
+        total_bytes = sum(p.numel() * p.element_size() for p in params)
+        update_ratio = cfg.update_ratio if cfg.update_ratio is not None else total_bytes <= 2**30
+        self._probe = GradProbe(params, update_ratio=update_ratio, queue_size=cfg.queue_size)
+        self._act = ActivationProbe(model, index)
+        rank, world = _rank_world()
+        self.run_id = transport.new_run_id()
+        self.name = cfg.name or (Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "python") or "run"
+        hyper, _ = hyper_of(optimizer.param_groups) if optimizer is not None else ([], [])
+        self._schema = protocol.Schema(
+            run=self.run_id, name=self.name,
+            params=tuple(protocol.ParamInfo(n, tuple(p.shape), str(p.dtype).replace("torch.", ""), p.numel(),
+                                            index.get(n.rsplit(".", 1)[0] if "." in n else "", 0)) for n, p in named),
+            modules=tuple(protocol.ModuleInfo(*m) for m in modules), rank=rank, world_size=world,
+            host=_socket.gethostname(), pid=self._pid, started=time.time(), torch_version=torch.__version__,
+            optimizer=type(optimizer).__name__ if optimizer is not None else "", hyper=tuple(hyper),
+            every=cfg.every, control=False,  # the control channel is not served yet: viewers must not offer pause
+        )
+        if not self._open_transport():
+            return
+        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_step))
+        if scaler is not None:
+            self._wrap_scaler(scaler)
+        if self._act_every:
+            self._act.attach()
+        _install_excepthook()
+        atexit.register(_close_at_exit, weakref.ref(self))
+        if cfg.announce:
+            print(f"gradwatch: watching run {self.name!r} ({self.run_id}); attach with: gradwatch tail {self.run_id}",
+                  file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ setup
+
+    def _open_transport(self) -> bool:
+        """Bind the stream socket and write the connection file; on failure disable with one warning."""
+        try:
+            import zmq
+
+            key = protocol.new_key()
+            if self.cfg.endpoint is None:
+                endpoint, note = transport.ipc_endpoint(self.run_id, "s")
+            else:
+                endpoint, note = self.cfg.endpoint, transport.check_endpoint(self.cfg.endpoint)
+            if note:
+                warn(note)
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.XPUB)
+            est = max(1024, self._probe.n * 4 * 4 + 2048)
+            for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, max(16, min(1000, STALLED_VIEWER_BUDGET // est))),
+                             (zmq.XPUB_VERBOSE, 1), (zmq.SNDTIMEO, 0), (zmq.MAXMSGSIZE, 4096),
+                             (zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
+                sock.setsockopt(opt, val)
+            try:
+                sock.bind(endpoint)
+                bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+                path = transport.endpoint_path(bound)
+                if path:
+                    os.chmod(path, 0o600)
+                info = transport.RunInfo(run=self.run_id, name=self.name, host=self._schema.host, pid=self._pid,
+                                         started=self._schema.started, stream=bound, key=key, control=None,
+                                         rank=self._schema.rank, world_size=self._schema.world_size,
+                                         pid_start=transport._pid_start(self._pid))
+                self.connection_file = transport.write_connection_file(info)
+            except BaseException:
+                sock.close(linger=0)
+                ctx.destroy(linger=0)
+                raise
+        except Exception as exc:  # noqa: BLE001 - transport problems must never stop training
+            reason = str(exc) if isinstance(exc, transport.TransportError) else f"{type(exc).__name__}: {exc}"
+            self._disable(f"cannot publish telemetry ({reason}); training continues without gradwatch")
+            return False
+        self._ctx = ctx
+        self.endpoint = bound
+        schema = self._schema
+        self.sender = Sender(
+            SenderConfig(run=self.run_id, history_steps=self.cfg.history, queue_size=self.cfg.queue_size,
+                         scaler_enabled=bool(self.scaler is not None and self._scaler_enabled()),
+                         counters_extra=self._counters),
+            protocol.Signer(key), sock, lambda seq, ts: protocol.pack_body(_with_seq(schema, seq, ts)),
+        )
+        self.sender.start()
+        self.sender.event("started", 0, f"pid {self._pid} on {schema.host}")
+        return True
+
+    def _counters(self) -> dict[str, int]:
+        return {"trainer_errors": self._errors, "steps": self._step, "published": self._published}
+
+    def _scaler_enabled(self) -> bool:
+        try:
+            return bool(self.scaler.is_enabled())
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _wrap_scaler(self, scaler: Any) -> None:
+        """Hook mode with AMP: GradScaler skips optimizer.step() (and its hooks) on inf, so we mark the
+        boundary from ``scaler.step`` itself. The wrapper lives on this instance only; close() removes it."""
+        original = scaler.step
+
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self._explicit and self._live():
+                self._guarded(self._boundary, self._pending_loss, None, None)
+                self._hook_boundary_done = True
+            return original(optimizer, *args, **kwargs)
+
+        scaler.step = step
+        self._scaler_step = step
+
+    # ------------------------------------------------------------------ public API
+
+    def step(self, loss: Any = None, *, inputs: Any = None, targets: Any = None) -> None:
+        """Mark a step boundary: after ``backward()``, before ``optimizer.step()``. Never raises."""
+        if not self._live():
+            return
+        self._explicit = True
+        self._guarded(self._boundary, loss, inputs, targets)
+
+    def log(self, **scalars: Any) -> None:
+        """Add user scalars to the current step (``loss=`` also sets the loss in hook mode). Never raises."""
+        if not self._live():
+            return
+        try:
+            for k, v in scalars.items():
+                if k == "loss":
+                    self._pending_loss = v
+                    continue
+                if len(self._user) >= 64 and k not in self._user:
+                    continue
+                self._user[str(k)[:64]] = v
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def activations(self, every: int) -> None:
+        """Switch activation statistics at run time: every N published steps, 0 for off."""
+        try:
+            self._act_every = max(0, int(every))
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def arm_activations(self, steps: int = 1) -> None:
+        """Record activation statistics for the next ``steps`` steps, whatever the cadence."""
+        try:
+            self._act_armed = max(self._act_armed, int(steps))
+            if self._live():
+                self._act.attach()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    def close(self) -> None:
+        """Remove every hook, publish 'finished', close the socket. Safe to call twice; never raises."""
+        self._close(crashed=None)
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._close(crashed=f"{exc_type.__name__}: {exc}"[:500] if exc_type is not None else None)
+
+    # ------------------------------------------------------------------ internals
+
+    def _live(self) -> bool:
+        if self._closed or self.disabled_reason is not None:
+            return False
+        if os.getpid() != self._pid:  # forked child: never touch the parent's sockets or threads
+            self._forked_calls += 1
+            return False
+        return True
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        try:
+            with self._lock:
+                fn(*args)
+            self._consecutive = 0
+        except Exception as exc:  # noqa: BLE001 - nothing may reach the training loop
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._errors += 1
+        self._consecutive += 1
+        if self._consecutive >= MAX_CONSECUTIVE_ERRORS:
+            self._disable(f"{self._consecutive} internal errors in a row (last: {type(exc).__name__}: {exc}); "
+                          f"gradwatch has switched itself off, training continues")
+
+    def _disable(self, reason: str) -> None:
+        if self.disabled_reason is not None:
+            return
+        self.disabled_reason = reason
+        warn(reason, key=f"disabled-{id(self)}")
+        try:
+            self._remove_hooks()
+            if self.sender is not None:
+                self.sender.event("disabled", self._step, reason[:500])
+                self.sender.stop(timeout=0.5)
+            self._mark_ended("crashed" if self.sender is None else "finished")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._explicit or not self._live():
+            return
+        if self._hook_boundary_done:  # scaler.step() already marked this boundary
+            self._hook_boundary_done = False
+            return
+        self._guarded(self._boundary, self._pending_loss, None, None)
+
+    def _boundary(self, loss: Any, inputs: Any, targets: Any) -> None:
+        step = self._step
+        self._step += 1
+        probe = self._probe
+        probe.settle()
+        every = self.cfg.every
+        if step % every == 0:
+            detail = self._published % self.cfg.detail_every == 0
+            self._published += 1
+            parts = Parts()
+            meta: dict[str, Any] = {}
+            dev = probe.device
+            lp = scalar_part(loss, dev)
+            if lp is not None:
+                parts.add("loss", lp)
+            elif loss is not None:
+                meta["loss"] = float(loss)
+            if self.scaler is not None and self._scaler_enabled():
+                scale = getattr(self.scaler, "_scale", None)  # the device tensor: no host sync (get_scale() syncs)
+                if isinstance(scale, torch.Tensor):
+                    parts.add("scale", scale.detach().to(dev, non_blocking=True))
+                    meta["scaled"] = self._grads_scaled()
+            if self.optimizer is not None:
+                hyper, tensors = hyper_of(self.optimizer.param_groups)
+                meta["opt"] = hyper
+                if tensors:
+                    meta["opt_tensors"] = [(gi, k) for gi, k, _ in tensors]
+                    for gi, k, t in tensors:
+                        parts.add(f"opt:{gi}:{k}", t.detach().to(dev, non_blocking=True))
+            probe.collect(parts, meta, step, detail)
+            if self._act.attached:
+                order, stats = self._act.take()
+                if stats is not None:
+                    parts.add("act", stats)
+                    meta["act_modules"] = order
+            for name, t in (("inputs", inputs), ("targets", targets)):
+                st = data_stats(t, exact_on_host=not probe.cuda) if t is not None else None
+                if st is not None:
+                    parts.add(f"data:{name}", st.to(dev, non_blocking=True))
+            if self._user:
+                meta["user"] = _plain_scalars(self._user, parts, dev)
+                self._user = {}
+            self._pending_loss = None
+            assert self.sender is not None
+            self.sender.submit(probe.finish(parts, step, time.time(), meta))
+        elif self._act.attached:
+            self._act.reset()
+        self._plan_activations(step + 1)
+
+    def _plan_activations(self, next_step: int) -> None:
+        if self._act_armed > 0:
+            self._act_armed -= 1
+            want = True
+        else:
+            every = self.cfg.every
+            want = bool(self._act_every) and next_step % every == 0 and (next_step // every) % self._act_every == 0
+        if want:
+            self._act.attach()
+        elif self._act.attached:
+            self._act.detach()
+
+    def _grads_scaled(self) -> bool:
+        """False when the user already called ``scaler.unscale_(optimizer)`` (e.g. to clip) before us."""
+        if self.optimizer is None:
+            return True
+        try:
+            states = self.scaler._per_optimizer_states
+            st = states[id(self.optimizer)] if id(self.optimizer) in states else None
+            return not (st is not None and getattr(st.get("stage"), "name", "") == "UNSCALED")
+        except Exception:  # noqa: BLE001
+            return True
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles.clear()
+        self._act.detach()
+        if self.scaler is not None and self._scaler_step is not None and self.scaler.__dict__.get("step") is self._scaler_step:
+            del self.scaler.step
+        self._scaler_step = None
+
+    def _mark_ended(self, status: str) -> None:
+        if self.connection_file is not None:
+            try:
+                transport.update_status(self.connection_file, status)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.endpoint is not None:
+            transport.remove_socket(self.endpoint)
+
+    def _close(self, crashed: str | None) -> None:
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        try:
+            self._remove_hooks()
+            if self.sender is not None and self.disabled_reason is None:
+                final = ("crashed", crashed) if crashed else ("finished", f"{self._step} steps")
+                self.sender.stop(final=final, timeout=1.0)
+                if not self.sender.is_alive() and self._ctx is not None:
+                    self._ctx.destroy(linger=0)
+            if self.disabled_reason is None:
+                self._mark_ended("crashed" if crashed else "finished")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _plain_scalars(user: dict[str, Any], parts: Parts, dev: torch.device) -> dict[str, Any]:
+    """User scalars: numbers as floats, tensors via the device buffer (no sync), others dropped."""
+    out: dict[str, Any] = {}
+    for k, v in user.items():
+        if isinstance(v, torch.Tensor):
+            p = scalar_part(v, dev)
+            if p is not None:
+                parts.add(f"user:{k}", p)
+        elif isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, (int, float)):
+            out[k] = float(v)
+        else:
+            try:
+                out[k] = float(v)  # numpy scalars and friends
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
+def _with_seq(schema: protocol.Schema, seq: int, ts: float) -> protocol.Schema:
+    import dataclasses
+
+    return dataclasses.replace(schema, seq=seq, ts=ts)
+
+
+class NullWatcher:
+    """What ``watch()`` returns when gradwatch is disabled: the same API, doing nothing."""
+
+    enabled = False
+    disabled_reason = "GRADWATCH_DISABLE is set"
+    connection_file = None
+    endpoint = None
+    step_count = 0
+
+    def step(self, loss: Any = None, *, inputs: Any = None, targets: Any = None) -> None:
+        pass
+
+    def log(self, **scalars: Any) -> None:
+        pass
+
+    def activations(self, every: int) -> None:
+        pass
+
+    def arm_activations(self, steps: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullWatcher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass

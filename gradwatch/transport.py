@@ -1,0 +1,367 @@
+"""Where runs live: the private runtime directory, connection files, endpoints and discovery.
+
+Security rests on the filesystem (FINDINGS 14): 127.0.0.1 and abstract ipc sockets are reachable by
+other local users; an ``ipc://`` socket inside a 0700 directory is not. So every run gets:
+
+* ``<runtime>/runs/<run>.json`` -- the connection file, 0600, created with O_EXCL|O_NOFOLLOW:
+  endpoints, the HMAC key, pid, host, name, start time, and a status that close() updates;
+* ``<runtime>/sock/<run>.s`` -- the stream socket (a short-path fallback keeps ipc paths <= 107 bytes).
+
+The runtime directory is ``$GRADWATCH_RUNTIME_DIR`` if set, else ``$XDG_RUNTIME_DIR/gradwatch``,
+else ``$XDG_CACHE_HOME/gradwatch/run`` (``~/.cache``), always 0700 and owned by us.
+
+This module imports no zmq at import time and no torch at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradwatch.protocol import PROTOCOL_VERSION
+
+IPC_PATH_MAX = 107  # sun_path is 108 bytes including the NUL; libzmq refuses longer
+KEEP_ENDED_S = 7 * 24 * 3600  # connection files of ended runs are pruned after a week
+RUN_STATES = ("live", "finished", "crashed")
+
+
+class TransportError(RuntimeError):
+    """A setup problem with a clear one-line message (bad directory, bad file, bad endpoint)."""
+
+
+# --------------------------------------------------------------------------- directories
+
+
+def _uid() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def _ensure_private_dir(path: Path) -> Path:
+    """Create ``path`` 0700 (parents as needed) and check it is a real directory we own, not shared."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as exc:
+        raise TransportError(f"cannot create {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise TransportError(f"{path} is not a directory (a symlink?)")
+    if st.st_uid != _uid():
+        raise TransportError(f"{path} is owned by uid {st.st_uid}, not by us")
+    if st.st_mode & 0o077:
+        try:
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            raise TransportError(f"{path} is accessible to others and cannot be fixed: {exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise TransportError(f"{path} is not writable")
+    return path
+
+
+def runtime_dir() -> Path:
+    """The per-user private directory holding connection files and sockets (created 0700)."""
+    env = os.environ.get("GRADWATCH_RUNTIME_DIR")
+    if env:
+        return _ensure_private_dir(Path(env))
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        try:
+            st = os.stat(xdg)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == _uid() and os.access(xdg, os.W_OK):
+                return _ensure_private_dir(Path(xdg) / "gradwatch")
+        except OSError:
+            pass
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return _ensure_private_dir(Path(cache) / "gradwatch" / "run")
+
+
+def runs_dir(base: Path | None = None) -> Path:
+    return _ensure_private_dir((base or runtime_dir()) / "runs")
+
+
+def _short_socket_dir() -> Path:
+    tmp = os.environ.get("TMPDIR") or "/tmp"
+    return _ensure_private_dir(Path(tmp) / f"gw-{_uid()}")
+
+
+def ipc_endpoint(run_id: str, suffix: str, base: Path | None = None) -> tuple[str, str | None]:
+    """An ``ipc://`` endpoint for this run and a warning if the short-path fallback had to be used."""
+    sock_dir = _ensure_private_dir((base or runtime_dir()) / "sock")
+    path = sock_dir / f"{run_id}.{suffix}"
+    if len(os.fsencode(str(path))) <= IPC_PATH_MAX:
+        return f"ipc://{path}", None
+    short = _short_socket_dir() / f"{run_id}.{suffix}"
+    if len(os.fsencode(str(short))) > IPC_PATH_MAX:
+        raise TransportError(f"socket path {short} is longer than {IPC_PATH_MAX} bytes, even in the fallback")
+    return f"ipc://{short}", (
+        f"socket path under {sock_dir} would exceed {IPC_PATH_MAX} bytes; using {short.parent} instead"
+    )
+
+
+def endpoint_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+
+
+def is_loopback_tcp(endpoint: str) -> bool:
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def check_endpoint(endpoint: str) -> str | None:
+    """Validate a user-given endpoint. Returns a warning text for all-interface binds, raises if unusable."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint_path(endpoint) or ""
+        if not path or len(os.fsencode(path)) > IPC_PATH_MAX:
+            raise TransportError(f"ipc path must be 1..{IPC_PATH_MAX} bytes: {endpoint!r}")
+        return None
+    if endpoint.startswith("tcp://"):
+        rest = endpoint[len("tcp://"):]
+        if ":" not in rest:
+            raise TransportError(f"tcp endpoint needs a port (use :0 for any free port): {endpoint!r}")
+        if is_loopback_tcp(endpoint):
+            return None
+        return (f"binding {endpoint} exposes this run's telemetry beyond this machine; anyone who can reach "
+                f"it can read it (frames are signed, not encrypted). Prefer ipc:// or tcp://127.0.0.1:0 with ssh -L")
+    raise TransportError(f"unsupported endpoint {endpoint!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
+
+
+# --------------------------------------------------------------------------- connection files
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(6)
+
+
+def _pid_start(pid: int) -> int | None:
+    """Process start time in clock ticks (Linux), to tell a live pid from a reused one."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pid_alive(pid: int, pid_start: int | None = None) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    if pid_start is not None:
+        now = _pid_start(pid)
+        if now is not None and now != pid_start:
+            return False
+    try:  # a zombie (exited, not yet reaped) is not a live run
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        if data[data.rindex(b")") + 2 : data.rindex(b")") + 3] == b"Z":
+            return False
+    except (OSError, ValueError):
+        pass
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """A run as described by its connection file, plus the state derived from its process."""
+
+    run: str
+    name: str
+    host: str
+    pid: int
+    started: float
+    stream: str
+    key: bytes = field(repr=False)
+    control: str | None = None
+    rank: int = 0
+    world_size: int = 1
+    status: str = "running"
+    ended: float | None = None
+    pid_start: int | None = None
+    path: Path | None = None
+    state: str = "live"  # live | finished | crashed, derived
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gradwatch": PROTOCOL_VERSION, "run": self.run, "name": self.name, "host": self.host,
+            "pid": self.pid, "pid_start": self.pid_start, "started": self.started, "stream": self.stream,
+            "control": self.control, "key": self.key.hex(), "rank": self.rank, "world_size": self.world_size,
+            "status": self.status, "ended": self.ended,
+        }
+
+
+def _parse(data: dict[str, Any], path: Path | None) -> RunInfo:
+    try:
+        if data.get("gradwatch") != PROTOCOL_VERSION:
+            raise TransportError(f"{path}: written by another gradwatch protocol version ({data.get('gradwatch')!r})")
+        key = bytes.fromhex(data["key"])
+        info = RunInfo(
+            run=str(data["run"]), name=str(data["name"]), host=str(data["host"]), pid=int(data["pid"]),
+            started=float(data["started"]), stream=str(data["stream"]), key=key,
+            control=data.get("control"), rank=int(data.get("rank", 0)), world_size=int(data.get("world_size", 1)),
+            status=str(data.get("status", "running")), ended=data.get("ended"),
+            pid_start=data.get("pid_start"), path=path,
+        )
+    except TransportError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TransportError(f"{path}: not a valid gradwatch connection file ({type(exc).__name__}: {exc})") from None
+    return _with_state(info)
+
+
+def _with_state(info: RunInfo) -> RunInfo:
+    if info.status == "running":
+        if info.host == socket.gethostname() and not pid_alive(info.pid, info.pid_start):
+            state = "crashed"  # the process is gone without saying goodbye
+        else:
+            state = "live"
+    else:
+        state = "crashed" if info.status == "crashed" else "finished"
+    return dataclasses.replace(info, state=state)
+
+
+def read_connection_file(path: str | os.PathLike[str]) -> RunInfo:
+    """Read and check a connection file: a regular file we own, not readable by others."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise TransportError(f"no such connection file: {p}") from None
+    except OSError as exc:
+        raise TransportError(f"cannot open {p}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TransportError(f"{p} is not a regular file")
+        if st.st_uid != _uid():
+            raise TransportError(f"{p} is owned by uid {st.st_uid}, not by us: refusing its key")
+        if st.st_mode & 0o077:
+            raise TransportError(f"{p} is readable by others (mode {st.st_mode & 0o777:o}): refusing its key")
+        if st.st_size > 64 * 1024:
+            raise TransportError(f"{p} is too large to be a connection file")
+        raw = os.read(fd, 64 * 1024)
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise TransportError(f"{p}: not JSON") from None
+    if not isinstance(data, dict):
+        raise TransportError(f"{p}: not a JSON object")
+    return _parse(data, p)
+
+
+def _write_exclusive(path: Path, data: dict[str, Any]) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, json.dumps(data, indent=1).encode())
+    finally:
+        os.close(fd)
+
+
+def write_connection_file(info: RunInfo, base: Path | None = None) -> Path:
+    """Create the run's connection file (fails if anything already exists at that path)."""
+    path = runs_dir(base) / f"{info.run}.json"
+    try:
+        _write_exclusive(path, info.to_json())
+    except OSError as exc:
+        raise TransportError(f"cannot create {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def update_status(path: Path, status: str) -> None:
+    """Atomically rewrite the status of our own connection file (write a new file, then rename)."""
+    info = read_connection_file(path)
+    data = info.to_json()
+    data.update(status=status, ended=time.time())
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    _write_exclusive(tmp, data)
+    os.replace(tmp, path)
+
+
+def remove_socket(endpoint: str | None) -> None:
+    p = endpoint_path(endpoint or "")
+    if p:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+
+
+def list_runs(base: Path | None = None, *, prune: bool = True) -> tuple[list[RunInfo], list[str]]:
+    """All runs with a connection file, newest first, and one-line problems with unreadable files.
+
+    Ended runs older than a week are pruned (file and socket) when ``prune`` is set.
+    """
+    try:
+        d = runs_dir(base)
+    except TransportError as exc:
+        return [], [str(exc)]
+    runs: list[RunInfo] = []
+    problems: list[str] = []
+    now = time.time()
+    for p in sorted(d.glob("*.json")):
+        try:
+            info = read_connection_file(p)
+        except TransportError as exc:
+            problems.append(str(exc))
+            continue
+        if prune and info.state != "live" and now - (info.ended or info.started) > KEEP_ENDED_S:
+            remove_socket(info.stream)
+            try:
+                p.unlink()
+            except OSError:
+                pass
+            continue
+        runs.append(info)
+    runs.sort(key=lambda r: r.started, reverse=True)
+    return runs, problems
+
+
+def find_run(spec: str | None, base: Path | None = None) -> RunInfo:
+    """Resolve what a user typed: a run id (or prefix), a name, a pid, a connection file, or an endpoint.
+
+    With no ``spec``: the only live run, or the newest live one if there are several. Raises
+    :class:`TransportError` with a one-line message when nothing (or nothing unique) matches.
+    """
+    if spec is not None and (spec.endswith(".json") or os.sep in spec) and "://" not in spec:
+        return read_connection_file(spec)
+    runs, _problems = list_runs(base)
+    if spec is None:
+        live = [r for r in runs if r.state == "live"]
+        if not live:
+            if runs:
+                raise TransportError(f"no live run (the newest, {runs[0].name!r}, {runs[0].state}); "
+                                     f"see `gradwatch ls` and pass one explicitly")
+            raise TransportError("no gradwatch runs found; start a training script with gradwatch.watch(...)")
+        return live[0]
+    if "://" in spec:
+        matches = [r for r in runs if r.stream == spec or r.control == spec]
+        if not matches:
+            raise TransportError(f"no connection file for {spec}: its key is needed to read it "
+                                 f"(pass the run's connection file instead)")
+        return matches[0]
+    exact = [r for r in runs if spec in (r.run, r.name) or (spec.isdigit() and r.pid == int(spec))]
+    if not exact:
+        exact = [r for r in runs if r.run.startswith(spec)]
+    if not exact:
+        raise TransportError(f"no run matches {spec!r}; see `gradwatch ls`")
+    live = [r for r in exact if r.state == "live"]
+    return (live or exact)[0]

@@ -1,0 +1,17 @@
+# Sourced by scripts/demo and scripts/test: create or refresh the project's own
+# virtual environment in .venv. Re-installs only when pyproject.toml or this file change.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+py="${PYTHON:-python3}"
+stamp_want="$(cat "$root/pyproject.toml" "$root/scripts/_env.sh" | sha256sum | cut -c1-16)"
+stamp_file="$venv/.gradwatch-stamp"
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_want" ]; then
+  echo "gradwatch: setting up $venv (first run takes a minute or two)..." >&2
+  [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+  # torch==2.13.0 is pinned so that pip takes the CPU build on disk instead of a multi-GB CUDA build.
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+      "torch==2.13.0" -e "$root[test]" >&2
+  echo "$stamp_want" > "$stamp_file"
+fi
+export PATH="$venv/bin:$PATH"
