@@ -248,7 +248,10 @@ class GradProbe:
             live = [p.detach() for p in self.params]
             torch._foreach_sub_(self._snap, live)  # snap := w_old - w_new
             dw = torch.stack(self._foreach_norm(self._snap, 2.0))  # type: ignore[arg-type]
-            self._pending_ur = (self._snap_step, dw / self._snap_wn.clamp_min(1e-30))
+            wn = self._snap_wn
+            # a weight that was exactly 0 (zero-initialised biases) was wholly replaced: ratio 1, not inf
+            ratio = torch.where(wn > 0, dw / wn.clamp_min(torch.finfo(torch.float32).tiny), (dw > 0).float())
+            self._pending_ur = (self._snap_step, ratio)
         self._snap_active = False
 
     def collect(self, parts: Parts, meta: dict[str, Any], step: int, detail: bool) -> None:

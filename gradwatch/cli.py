@@ -1,0 +1,200 @@
+"""``gradwatch`` command line: ``--version``, ``ls``, ``tail``.
+
+Every failure is one line on stderr and a non-zero exit code, never a traceback:
+2 for bad arguments, 1 for "nothing to attach to / unreachable / foreign endpoint", 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any, NoReturn, Sequence
+
+from gradwatch.__about__ import __version__
+from gradwatch.text import clean, num
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"gradwatch: error: {message} (see `gradwatch --help`)\n")
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from gradwatch.transport import list_runs
+
+    runs, problems = list_runs()
+    if not args.all:
+        runs = [r for r in runs if r.state == "live" or time.time() - (r.ended or r.started) < 24 * 3600]
+    for p in problems:
+        print(f"gradwatch: skipped {clean(p, 300)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([{"run": r.run, "name": r.name, "state": r.state, "host": r.host, "pid": r.pid,
+                           "rank": r.rank, "world_size": r.world_size, "started": r.started, "ended": r.ended,
+                           "stream": r.stream, "connection_file": str(r.path)} for r in runs], indent=1))
+        return 0
+    if not runs:
+        print("no gradwatch runs; start one with gradwatch.watch(model, optimizer) in a training script",
+              file=sys.stderr)
+        return 0
+    now = time.time()
+    print(f"{'RUN':<13} {'NAME':<24} {'STATE':<9} {'HOST':<16} {'PID':>8} {'RANK':>5} {'AGE':>5}")
+    for r in runs:
+        rank = f"{r.rank}/{r.world_size}" if r.world_size > 1 else "-"
+        print(f"{r.run:<13} {clean(r.name, 24):<24} {r.state:<9} {clean(r.host, 16):<16} {r.pid:>8} {rank:>5} "
+              f"{_age(now - r.started):>5}")
+    return 0
+
+
+def format_step(msg: Any, schema: Any) -> str:
+    """One plain-text line per step: the numbers a person scans a log for, and what went wrong."""
+    names = [p.name for p in schema.params]
+    parts = [f"step {msg.step}", f"loss {num(msg.loss, 6)}", f"gnorm {num(msg.total)}"]
+    if msg.opt:
+        lr = msg.opt[0].get("lr")
+        if isinstance(lr, float):
+            parts.append(f"lr {num(lr, 3)}")
+    if msg.scale is not None:
+        parts.append(f"scale {num(msg.scale, 3)}")
+    finite = [(v, i) for i, v in enumerate(msg.grad_norm) if math.isfinite(v)]
+    if finite and not msg.nonfinite:
+        v, i = max(finite)
+        parts.append(f"top {clean(names[i], 40)}={num(v, 3)}")
+    for key, value in sorted(msg.user.items()):
+        parts.append(f"{clean(key, 24)} {num(value) if isinstance(value, float) else clean(value, 24)}")
+    line = "  ".join(parts)
+    flags = []
+    if msg.nonfinite:
+        bad = ", ".join(f"{clean(names[i], 40)}({'>=1' if c < 0 else c})" for i, c in sorted(msg.nonfinite.items())[:4])
+        more = f" +{len(msg.nonfinite) - 4} more" if len(msg.nonfinite) > 4 else ""
+        flags.append(f"NONFINITE grad in {len(msg.nonfinite)} param(s): {bad}{more}")
+    for name, d in sorted(msg.data.items()):
+        if d.nonfinite:
+            flags.append(f"NONFINITE {name}: {d.nonfinite} of {d.numel} values")
+    if msg.first_nonfinite_module is not None:
+        m = schema.modules[msg.first_nonfinite_module]
+        flags.append(f"first non-finite output: {clean(m.name, 40)} ({clean(m.type, 24)})")
+    if msg.skipped:
+        flags.append("optimizer step skipped by GradScaler")
+    if msg.loss is not None and not math.isfinite(msg.loss):
+        flags.insert(0, "NONFINITE loss")
+    return line + ("  !! " + "; ".join(flags) if flags else "")
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from gradwatch.client import connect
+    from gradwatch.protocol import Event, Heartbeat, Schema, Step
+
+    client = connect(args.run, timeout=args.timeout)
+    schema = client.schema
+    assert schema is not None
+    out = sys.stdout
+    print(f"# run {clean(schema.name, 60)} ({schema.run}) on {clean(schema.host, 40)} pid {schema.pid}: "
+          f"{schema.n} parameter tensors, optimizer {clean(schema.optimizer, 40) or '-'}", file=out, flush=True)
+    steps = 0
+    last_seen = time.monotonic()
+    try:
+        while True:
+            msg = client.recv(timeout=0.5)
+            now = time.monotonic()
+            if msg is None:
+                if now - last_seen > args.lost_after:
+                    print(f"gradwatch: lost run {clean(schema.name, 60)}: no message for {args.lost_after:g}s",
+                          file=sys.stderr)
+                    return 1
+                continue
+            last_seen = now
+            if isinstance(msg, Step):
+                if args.history is False and msg.ts < client.info.started:  # pragma: no cover - defensive
+                    continue
+                print(format_step(msg, schema), file=out, flush=True)
+                steps += 1
+                if args.count and steps >= args.count:
+                    return 0
+            elif isinstance(msg, Event):
+                text = f"  {clean(msg.message, 200)}" if msg.message else ""
+                print(f"event {msg.event} at step {msg.step}{text}", file=out, flush=True)
+                if msg.event in ("finished", "crashed"):
+                    return 0 if msg.event == "finished" else 1
+            elif isinstance(msg, Heartbeat) and args.heartbeats:
+                print(f"heartbeat step {msg.step} {json.dumps(msg.counters, sort_keys=True)}", file=out, flush=True)
+            elif isinstance(msg, Schema):
+                schema = msg
+    finally:
+        client.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gradwatch", description="Live gradient telemetry for PyTorch training.")
+    p.add_argument("--version", action="version", version=f"gradwatch {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    ls = sub.add_parser("ls", help="list runs on this machine")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.add_argument("--all", action="store_true", help="include runs that ended more than a day ago")
+    tail = sub.add_parser("tail", help="print one line per step and per event of a run")
+    tail.add_argument("run", nargs="?", help="run id, name, pid, connection file or endpoint (default: newest live run)")
+    tail.add_argument("--count", type=_positive_int, default=0, help="stop after N steps")
+    tail.add_argument("--timeout", type=_positive_float, default=5.0, help="seconds to wait for the run to answer")
+    tail.add_argument("--lost-after", type=_positive_float, default=10.0, help="give up after this many silent seconds")
+    tail.add_argument("--heartbeats", action="store_true", help="also print heartbeats with the sender's counters")
+    tail.set_defaults(history=True)
+    return p
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {s!r}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive number: {s!r}")
+    return v
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from gradwatch.transport import TransportError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "ls":
+            return cmd_ls(args)
+        if args.command == "tail":
+            return cmd_tail(args)
+        parser.print_help()
+        return 0
+    except TransportError as exc:
+        print(f"gradwatch: error: {clean(exc, 400)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Shared fixtures: every test gets its own private runtime directory, so runs never leak between tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A short, private GRADWATCH_RUNTIME_DIR (short so ipc paths stay far below 107 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))
+    monkeypatch.setenv("GRADWATCH_RUNTIME_DIR", str(d))
+    yield d
+    subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+def child_env(runtime: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["GRADWATCH_RUNTIME_DIR"] = str(runtime)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+PY = sys.executable

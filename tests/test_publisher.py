@@ -1,0 +1,384 @@
+"""Trainer-side numbers, checked against torch itself on real CPU training, read back over real sockets."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradwatch
+from gradwatch.protocol import Event, Step
+
+torch.set_num_threads(1)
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 1))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(16, 32)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x)))
+
+
+def drain(client: gradwatch.Client, want_steps: int, timeout: float = 10.0) -> tuple[dict[int, Step], list[Event]]:
+    steps: dict[int, Step] = {}
+    events: list[Event] = []
+    for msg in client.records(timeout=timeout):
+        if isinstance(msg, Step):
+            steps[msg.step] = msg
+        elif isinstance(msg, Event):
+            events.append(msg)
+        if len(steps) >= want_steps:
+            break
+    return steps, events
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, gw, batches, loss_fn, scaler=None, expect=None):  # type: ignore[no-untyped-def]
+    """A plain loop; records what torch itself says at the moment gw.step() looks."""
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        gw.step(loss, inputs=x, targets=y)
+        if expect is not None:
+            div = scaler.get_scale() if scaler else 1.0
+            grads = [p.grad for p in model.parameters() if p.requires_grad]
+            expect.append(([float(g.norm()) / div for g in grads],
+                           float(torch.nn.utils.get_total_norm(grads)) / div,
+                           [float(p.detach().norm()) for p in model.parameters()],
+                           [p.detach().clone() for p in model.parameters()]))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+
+
+def _mlp_batches(n: int):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 5, generator=g), torch.randn(16, 1, generator=g)) for _ in range(n)]
+
+
+def _lm_batches(n: int):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 16, (4, 12), generator=g)
+        out.append((x, torch.roll(x, -1, 1)))
+    return out
+
+
+def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.reshape(-1, 16), y.reshape(-1))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("amp", [False, True])
+def test_norms_equal_torch(runtime: Path, kind: str, amp: bool) -> None:
+    """Per-parameter norms equal p.grad.norm(), the total equals get_total_norm (unscaled under GradScaler),
+    weight norms equal p.norm() on detail steps, and the update ratio equals ||dw||/||w||."""
+    model = mlp() if kind == "mlp" else TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if amp else None
+    batches = _mlp_batches(6) if kind == "mlp" else _lm_batches(6)
+    loss_fn = torch.nn.functional.mse_loss if kind == "mlp" else _lm_loss
+    gw = gradwatch.watch(model, opt, scaler=scaler, detail_every=2, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    expect: list = []
+    train(model, opt, gw, batches, loss_fn, scaler, expect)
+    steps, _ = drain(client, 6)
+    gw.close()
+    client.close()
+    assert sorted(steps) == list(range(6))
+    for i, (norms, total, wnorms, weights) in enumerate(expect):
+        s = steps[i]
+        assert list(s.grad_norm) == pytest.approx(norms, rel=2e-5, abs=1e-6)
+        assert s.total == pytest.approx(total, rel=2e-5)
+        assert s.nonfinite == {}
+        if amp:
+            assert s.scale == 1024.0 and not s.skipped
+        if i % 2 == 0:  # detail step
+            assert s.weight_norm is not None and list(s.weight_norm) == pytest.approx(wnorms, rel=2e-5)
+            assert s.grad_max is not None and len(s.grad_max) == len(norms)
+        else:
+            assert s.weight_norm is None
+        if i % 2 == 1:  # the update of the step before, measured from the weights torch really holds
+            old, new = expect[i - 1][3], weights
+            want = [float((a - b).norm() / a.norm()) if a.norm() > 0 else float((a - b).norm() > 0)
+                    for a, b in zip(old, new)]
+            assert s.update_step == i - 1
+            assert s.update_ratio is not None and list(s.update_ratio) == pytest.approx(want, rel=1e-4, abs=1e-9)
+
+
+def test_grad_max_is_exact_max_abs(runtime: Path) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, detail_every=1, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    x, y = _mlp_batches(1)[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    want = [float(p.grad.abs().max()) for p in model.parameters()]
+    gw.step()
+    steps, _ = drain(client, 1)
+    gw.close()
+    assert steps[0].loss is None
+    assert list(steps[0].grad_max) == pytest.approx(want, rel=1e-6)
+
+
+def test_nan_in_one_gradient_is_flagged_on_that_parameter_only(runtime: Path) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    names = [n for n, _ in model.named_parameters()]
+    target = names.index("2.weight")
+    for i, (x, y) in enumerate(_mlp_batches(5)):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if i == 3:
+            with torch.no_grad():
+                model[2].weight.grad[0, 0] = float("nan")
+                model[2].weight.grad[1, 1] = float("inf")
+        gw.step(loss, inputs=x, targets=y)
+        opt.zero_grad()  # no optimizer step: keep the weights clean
+    steps, _ = drain(client, 5)
+    gw.close()
+    assert [s.nonfinite for s in (steps[0], steps[1], steps[2], steps[4])] == [{}, {}, {}, {}]
+    assert steps[3].nonfinite == {target: 2}
+    assert math.isnan(steps[3].total)
+    assert all(d.nonfinite == 0 for d in steps[3].data.values())
+
+
+def test_input_nan_is_flagged_as_input(runtime: Path) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False, activations=1)
+    client = gradwatch.connect(gw.run_id)
+    batches = _mlp_batches(4)
+    batches[2][0][3, 1] = float("nan")
+    for x, y in batches:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        gw.step(loss, inputs=x, targets=y)
+        opt.zero_grad()
+    steps, _ = drain(client, 4)
+    gw.close()
+    d = steps[2].data["inputs"]
+    assert d.nonfinite == 1 and d.numel == 80 and math.isfinite(d.min) and math.isfinite(d.mean)
+    assert steps[2].data["targets"].nonfinite == 0
+    assert steps[1].data["inputs"].nonfinite == 0 and steps[3].data["inputs"].nonfinite == 0
+    x = batches[1][0]
+    assert steps[1].data["inputs"].max == pytest.approx(float(x.max())) and steps[1].data["inputs"].std == pytest.approx(
+        float(x.std(unbiased=False)), rel=1e-5)
+    # the first module (forward order) whose output went non-finite is the first Linear
+    mod = client.schema.modules[steps[2].first_nonfinite_module]
+    assert mod.name == "0" and mod.type == "Linear"
+    assert steps[1].first_nonfinite_module is None
+
+
+def test_activation_overflow_names_the_module(runtime: Path) -> None:
+    """An exp() that overflows in a middle module is named, not the modules after it."""
+    class Exp(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.exp(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), Exp(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gw = gradwatch.watch(model, opt, announce=False, activations=1)
+    client = gradwatch.connect(gw.run_id)
+    for scale in (1.0, 1000.0):
+        x = torch.full((2, 4), scale)
+        model(x).sum().backward()
+        gw.step()
+        opt.zero_grad()
+    steps, _ = drain(client, 2)
+    gw.close()
+    assert steps[0].first_nonfinite_module is None
+    assert client.schema.modules[steps[1].first_nonfinite_module].type == "Exp"
+    assert steps[1].act is not None and len(steps[1].act.modules) == 3
+
+
+def test_huge_finite_gradients_are_not_called_non_finite(runtime: Path) -> None:
+    """L2 of 1e30-sized entries overflows float32; the non-finite flag must still say 'finite'."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gw = gradwatch.watch(model, opt, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e30)
+    gw.step()
+    steps, _ = drain(client, 1)
+    gw.close()
+    s = steps[0]
+    assert math.isinf(s.grad_norm[0])  # the L2 norm really overflowed...
+    assert s.nonfinite == {}  # ...but nothing is non-finite
+    assert s.grad_max is not None and list(s.grad_max) == pytest.approx([1e30] * len(s.grad_max), rel=1e-6)
+
+
+def test_gradscaler_skip_and_backoff_are_recorded(runtime: Path) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    gw = gradwatch.watch(model, opt, scaler=scaler, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    for i, (x, y) in enumerate(_mlp_batches(4)):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        if i == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        gw.step(loss)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    steps, events = drain(client, 4)
+    gw.close()
+    assert steps[1].skipped and not steps[0].skipped and not steps[2].skipped
+    assert steps[1].scale == 2.0**16 and steps[2].scale == 2.0**15
+    kinds = [(e.event, e.step) for e in events]
+    assert ("skipped_step", 1) in kinds and ("scaler_backoff", 2) in kinds
+
+
+def test_hook_mode_without_gw_step(runtime: Path) -> None:
+    """Optimizer given, step() never called: the optimizer pre-hook marks boundaries; with a GradScaler
+    the skipped step (where optimizer hooks do not fire) is still recorded with its non-finite grads."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    gw = gradwatch.watch(model, opt, scaler=scaler, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    for i, (x, y) in enumerate(_mlp_batches(5)):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        gw.log(loss=loss, tokens=16)
+        scaler.scale(loss).backward()
+        if i == 2:
+            model[2].bias.grad[0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    steps, _ = drain(client, 5)
+    gw.close()
+    assert sorted(steps) == [0, 1, 2, 3, 4]
+    assert steps[2].nonfinite == {3: 1} and steps[2].skipped
+    assert steps[0].user == {"tokens": 16.0} and steps[0].loss is not None
+    # plain optimizer without a scaler: pre-hook boundaries only
+    model2 = mlp()
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
+    gw2 = gradwatch.watch(model2, opt2, announce=False)
+    c2 = gradwatch.connect(gw2.run_id)
+    for x, y in _mlp_batches(3):
+        torch.nn.functional.mse_loss(model2(x), y).backward()
+        opt2.step()
+        opt2.zero_grad()
+    steps2, _ = drain(c2, 3)
+    gw2.close()
+    assert sorted(steps2) == [0, 1, 2] and steps2[0].opt[0]["lr"] == 1e-3 and steps2[0].opt[0]["beta1"] == 0.9
+
+
+def test_every_and_lr_groups_and_user_scalars(runtime: Path) -> None:
+    model = mlp()
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                           {"params": list(model[2].parameters()) + list(model[4].parameters())}], lr=0.01, momentum=0.9)
+    gw = gradwatch.watch(model, opt, every=3, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    for i, (x, y) in enumerate(_mlp_batches(7)):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        gw.log(i=i, t=torch.tensor(2.5), junk=object())
+        gw.step(loss)
+        opt.step()
+        opt.zero_grad()
+    steps, _ = drain(client, 3)
+    gw.close()
+    assert sorted(steps) == [0, 3, 6]
+    assert steps[3].opt == ({"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "dampening": 0.0},
+                            {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.0, "dampening": 0.0})
+    assert steps[3].user == {"i": 3.0, "t": 2.5}
+
+
+def test_step_never_raises_and_disables_after_repeated_failures(runtime: Path) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(30):
+            torch.nn.functional.mse_loss(model(torch.randn(2, 5)), torch.randn(2, 1)).backward()
+            gw.step("not a loss", inputs=object())  # type: ignore[arg-type]
+            opt.step()
+            opt.zero_grad()
+    ours = [w for w in caught if "gradwatch" in str(w.message)]
+    assert len(ours) == 1 and "switched itself off" in str(ours[0].message)
+    assert gw.disabled_reason is not None
+    gw.close()
+
+
+def test_disable_env_gives_null_object(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_DISABLE", "1")
+    model = mlp()
+    with gradwatch.watch(model, None) as gw:
+        assert gw.enabled is False
+        gw.step(torch.tensor(1.0))
+        gw.log(x=1)
+    assert not (runtime / "runs").exists() or not list((runtime / "runs").iterdir())
+
+
+def test_no_signal_handlers_installed(runtime: Path) -> None:
+    sigs = [s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)]
+    before = {s: signal.getsignal(s) for s in sigs}
+    gw = gradwatch.watch(mlp(), announce=False)
+    gw.close()
+    assert {s: signal.getsignal(s) for s in sigs} == before
+
+
+def test_forked_child_calls_are_noops(runtime: Path) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    pid = os.fork()
+    if pid == 0:  # child: calls must not publish, raise or hang
+        try:
+            torch.nn.functional.mse_loss(model(torch.randn(2, 5)), torch.randn(2, 1)).backward()
+            gw.step(torch.tensor(123.0))
+            gw.close()
+            os._exit(0 if gw._forked_calls >= 1 else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    torch.nn.functional.mse_loss(model(torch.randn(2, 5)), torch.randn(2, 1)).backward()
+    gw.step(torch.tensor(7.0))
+    steps, _ = drain(client, 1, timeout=3)
+    gw.close()
+    assert [s.loss for s in steps.values()] == [7.0]
+
+
+def test_close_removes_hooks_and_marks_finished(runtime: Path) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    gw = gradwatch.watch(model, opt, scaler=scaler, activations=1, announce=False)
+    assert "step" in scaler.__dict__ and model[0]._forward_hooks
+    gw.close()
+    gw.close()
+    assert "step" not in scaler.__dict__ and not model[0]._forward_hooks and not opt._optimizer_step_pre_hooks
+    (run,) = gradwatch.runs()
+    assert run.state == "finished"
+    assert not Path(run.stream[len("ipc://"):]).exists()
