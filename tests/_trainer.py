@@ -1,0 +1,55 @@
+"""A real subprocess trainer for the live tests: `python tests/_trainer.py STEPS [options]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import gradwatch
+
+p = argparse.ArgumentParser()
+p.add_argument("steps", type=int)
+p.add_argument("--no-close", action="store_true")
+p.add_argument("--pace", type=float, default=0.0)
+p.add_argument("--name", default="trainer")
+p.add_argument("--crash-at", type=int, default=-1)
+p.add_argument("--fault", choices=["", "sign", "send"], default="")
+p.add_argument("--endpoint", default=None)
+args = p.parse_args()
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+gw = gradwatch.watch(model, opt, name=args.name, endpoint=args.endpoint)
+if args.fault == "sign":
+    class BadSigner:
+        def sign(self, body: bytes) -> bytes:
+            raise RuntimeError("injected encode failure")
+    gw.sender._signer = BadSigner()  # type: ignore[union-attr]
+elif args.fault == "send":
+    import zmq
+
+    class BadSocket:
+        def __init__(self, real): self.real = real  # noqa: E704
+        def send(self, *a, **k): raise zmq.ZMQError(zmq.EFAULT, "injected send failure")  # noqa: E704
+        def __getattr__(self, name): return getattr(self.real, name)  # noqa: E704
+    gw.sender._sock = BadSocket(gw.sender._sock)  # type: ignore[union-attr]
+print(f"RUN {gw.run_id}", flush=True)
+x, y = torch.randn(16, 5), torch.randn(16, 1)
+for i in range(args.steps):
+    if i == args.crash_at:
+        raise RuntimeError("boom: the training script crashed")
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    gw.step(loss, inputs=x, targets=y)
+    opt.step()
+    opt.zero_grad()
+    if args.pace:
+        time.sleep(args.pace)
+print(f"LOOP_END {time.time():.6f}", flush=True)
+if not args.no_close:
+    gw.close()
+sys.exit(0)

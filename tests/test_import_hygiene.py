@@ -1,0 +1,39 @@
+"""Layering, enforced: the trainer side never loads the viewer stack; `import gradwatch` is cheap."""
+
+from __future__ import annotations
+
+import subprocess
+
+from conftest import PY
+
+HEAVY_UI = ("textual", "rich", "plotext", "textual_plotext")
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([PY, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+                         capture_output=True, text=True, timeout=120, env={"GRADWATCH_RUNTIME_DIR": "/tmp/gw-hygiene",
+                                                                          "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_import_gradwatch_is_light() -> None:
+    mods = _modules_after("import gradwatch")
+    for name in (*HEAVY_UI, "torch", "zmq", "pdb", "numpy"):
+        assert name not in mods, name
+
+
+def test_watch_loads_no_ui_and_no_pdb() -> None:
+    mods = _modules_after(
+        "import torch, gradwatch\n"
+        "m = torch.nn.Linear(2, 2); gw = gradwatch.watch(m, torch.optim.SGD(m.parameters(), lr=0.1), announce=False)\n"
+        "m(torch.randn(1, 2)).sum().backward(); gw.step(); gw.close()"
+    )
+    for name in (*HEAVY_UI, "pdb", "readline"):
+        assert name not in mods, name
+    assert "gradwatch.publisher.watcher" in mods
+
+
+def test_client_and_cli_do_not_need_torch() -> None:
+    mods = _modules_after("import gradwatch, gradwatch.client, gradwatch.cli; gradwatch.runs()")
+    assert "torch" not in mods
