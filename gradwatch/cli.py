@@ -99,7 +99,15 @@ def cmd_tail(args: argparse.Namespace) -> int:
     from gradwatch.client import connect
     from gradwatch.protocol import Event, Heartbeat, Schema, Step
 
-    client = connect(args.run, timeout=args.timeout)
+    run: Any = args.run
+    if args.connect:
+        import dataclasses
+
+        from gradwatch.transport import check_endpoint, find_run
+
+        check_endpoint(args.connect)
+        run = dataclasses.replace(find_run(args.run), stream=args.connect, state="live")
+    client = connect(run, timeout=args.timeout)
     schema = client.schema
     assert schema is not None
     out = sys.stdout
@@ -150,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--count", type=_positive_int, default=0, help="stop after N steps")
     tail.add_argument("--timeout", type=_positive_float, default=5.0, help="seconds to wait for the run to answer")
     tail.add_argument("--lost-after", type=_positive_float, default=10.0, help="give up after this many silent seconds")
+    tail.add_argument("--connect", metavar="ENDPOINT",
+                      help="read from this endpoint instead of the one in the connection file (e.g. a socket forwarded with ssh -L)")
     tail.add_argument("--heartbeats", action="store_true", help="also print heartbeats with the sender's counters")
     tail.set_defaults(history=True)
     return p

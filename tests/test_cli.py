@@ -104,3 +104,30 @@ def test_ls_lists_live_runs(runtime: Path) -> None:
         assert '"state": "live"' in js.stdout
     finally:
         gw.close()
+
+
+def test_tail_connect_overrides_the_endpoint(runtime: Path) -> None:
+    """The ssh -L workflow: the connection file from the remote host, the socket at a forwarded path."""
+    import torch
+
+    model = torch.nn.Linear(3, 1)
+    gw = gradwatch.watch(model, name="remote", announce=False)
+    try:
+        forwarded = runtime / "fwd.s"
+        forwarded.symlink_to(gw.endpoint[len("ipc://"):])  # stands in for the ssh-forwarded socket
+        proc = subprocess.Popen([PY, "-m", "gradwatch", "tail", str(gw.connection_file), "--connect",
+                                 f"ipc://{forwarded}", "--count", "3"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=child_env(runtime))
+        deadline = time.time() + 20
+        while proc.poll() is None and time.time() < deadline:
+            model(torch.randn(2, 3)).sum().backward()
+            gw.step()
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        gw.close()
+    assert proc.returncode == 0, err
+    assert out.count("\nstep ") == 3
+    bad = gw_cli(runtime, "tail", "remote", "--connect", "http://x")
+    assert bad.returncode == 1
+    _one_line_error(bad)

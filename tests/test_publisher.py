@@ -382,3 +382,61 @@ def test_close_removes_hooks_and_marks_finished(runtime: Path) -> None:
     (run,) = gradwatch.runs()
     assert run.state == "finished"
     assert not Path(run.stream[len("ipc://"):]).exists()
+
+
+def test_gpu_path_logic_on_cpu(runtime: Path) -> None:
+    """The branch-free (CUDA) path: max-abs every step, non-finite flags from it (count unknown: -1),
+    masked data statistics -- same answers as the exact CPU path, without reading values on the host."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gw = gradwatch.watch(model, opt, announce=False)
+    gw._probe.branchless = True
+    client = gradwatch.connect(gw.run_id)
+    names = [n for n, _ in model.named_parameters()]
+    batches = _mlp_batches(3)
+    batches[1][0][0, 0] = float("nan")
+    batches[1][0][1, 0] = float("inf")
+    for i, (x, y) in enumerate(batches):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if i == 2:
+            model[4].weight.grad[0, 3] = float("-inf")
+        gw.step(loss, inputs=x, targets=y)
+        opt.zero_grad()
+    steps, _ = drain(client, 3)
+    gw.close()
+    assert steps[0].nonfinite == {} and steps[0].grad_max is not None  # max-abs on every step
+    assert steps[2].nonfinite == {names.index("4.weight"): -1}
+    d = steps[1].data["inputs"]
+    finite = batches[1][0][torch.isfinite(batches[1][0])]
+    assert d.nonfinite == 2 and d.min == pytest.approx(float(finite.min())) and d.max == pytest.approx(float(finite.max()))
+    assert d.mean == pytest.approx(float(finite.mean()), rel=1e-5)
+    assert d.std == pytest.approx(float(finite.std(unbiased=False)), rel=1e-4)
+
+
+def test_activation_stats_switch_at_run_time(runtime: Path) -> None:
+    """Off by default; armed for exactly K steps; every N steps; off again -- hooks detached when off."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gw = gradwatch.watch(model, opt, announce=False)
+    client = gradwatch.connect(gw.run_id)
+
+    def one() -> None:
+        model(torch.randn(2, 5)).sum().backward()
+        gw.step()
+        opt.zero_grad()
+
+    one()  # step 0: off
+    gw.arm_activations(2)
+    one(); one(); one()  # steps 1, 2 armed; 3 off  # noqa: E702
+    gw.activations(every=2)
+    one(); one(); one(); one()  # steps 4..7: every 2nd step, starting with the coming one  # noqa: E702
+    gw.activations(every=0)
+    one(); one()  # steps 8, 9  # noqa: E702
+    assert not model[0]._forward_hooks
+    steps, _ = drain(client, 10)
+    gw.close()
+    with_act = sorted(i for i, s in steps.items() if s.act is not None)
+    assert with_act == [1, 2, 4, 6], with_act
+    assert len(steps[1].act.modules) == 5  # every leaf module, in forward order
+    assert list(steps[1].act.modules) == sorted(steps[1].act.modules)

@@ -163,7 +163,7 @@ def data_stats(t: Any, exact_on_host: bool) -> torch.Tensor | None:
         lo, hi = torch.aminmax(x)
         if math.isfinite(float(lo)) and math.isfinite(float(hi)):  # CPU: no device queue to stall
             std, mean = torch.std_mean(x, unbiased=False)
-            return torch.stack((torch.tensor(numel), torch.tensor(0.0), lo, hi, mean, std))
+            return torch.stack((torch.full((), numel), torch.zeros(()), lo.float(), hi.float(), mean, std))
     fin = torch.isfinite(x)
     cnt = fin.sum()
     nonfinite = numel - cnt.float()
@@ -173,7 +173,8 @@ def data_stats(t: Any, exact_on_host: bool) -> torch.Tensor | None:
     var = (torch.where(fin, x - mean, 0.0) ** 2).sum() / safe_cnt
     lo = torch.where(fin, x, INF).amin()
     hi = torch.where(fin, x, -INF).amax()
-    return torch.stack((torch.tensor(numel, device=x.device), nonfinite, lo, hi, mean, var.sqrt()))
+    # torch.full, not torch.tensor: a pageable host->device copy would synchronise the stream
+    return torch.stack((torch.full((), numel, device=x.device), nonfinite, lo, hi, mean, var.sqrt()))
 
 
 class _EventPool:
@@ -205,6 +206,9 @@ class GradProbe:
         first = params[0] if params else None
         self.device = first.device if first is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
+        #: Never read a device value on the host in the training thread (the CUDA path). Settable on
+        #: CPU so the tests exercise the GPU logic without a GPU.
+        self.branchless = self.cuda
         self._events = _EventPool(queue_size + 4) if self.cuda else None
 
     def _zero(self, device: torch.device) -> torch.Tensor:
@@ -263,7 +267,7 @@ class GradProbe:
         add = parts.add
         gn = torch.stack(self._foreach_norm(grads, 2.0)) if self.n else torch.zeros(0)
         add("gn", gn)
-        if self.cuda:
+        if self.branchless:
             add("gmax", torch.stack(self._foreach_norm(grads, INF)))  # fused on CUDA: cheap and exact
         elif self.n:
             # CPU: reading the norms costs nothing (no device queue). Classify exactly only if needed.

@@ -275,6 +275,8 @@ class Watcher:
         """Switch activation statistics at run time: every N published steps, 0 for off."""
         try:
             self._act_every = max(0, int(every))
+            if self._live():
+                self._plan_activations(self._step, consume=False)  # takes effect for the coming step
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 
@@ -384,7 +386,7 @@ class Watcher:
                     parts.add("act", stats)
                     meta["act_modules"] = order
             for name, t in (("inputs", inputs), ("targets", targets)):
-                st = data_stats(t, exact_on_host=not probe.cuda) if t is not None else None
+                st = data_stats(t, exact_on_host=not probe.branchless) if t is not None else None
                 if st is not None:
                     parts.add(f"data:{name}", st.to(dev, non_blocking=True))
             if self._user:
@@ -397,13 +399,13 @@ class Watcher:
             self._act.reset()
         self._plan_activations(step + 1)
 
-    def _plan_activations(self, next_step: int) -> None:
-        if self._act_armed > 0:
-            self._act_armed -= 1
-            want = True
-        else:
-            every = self.cfg.every
-            want = bool(self._act_every) and next_step % every == 0 and (next_step // every) % self._act_every == 0
+    def _plan_activations(self, next_step: int, consume: bool = True) -> None:
+        """Attach the forward hooks for ``next_step`` only if it is armed or on the cadence."""
+        if consume and self._act_armed > 0:
+            self._act_armed -= 1  # the step that just ended used one armed step
+        every = self.cfg.every
+        want = self._act_armed > 0 or (bool(self._act_every) and next_step % every == 0
+                                       and (next_step // every) % self._act_every == 0)
         if want:
             self._act.attach()
         elif self._act.attached:
