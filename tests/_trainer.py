@@ -18,6 +18,7 @@ p.add_argument("--name", default="trainer")
 p.add_argument("--crash-at", type=int, default=-1)
 p.add_argument("--fault", choices=["", "sign", "send"], default="")
 p.add_argument("--endpoint", default=None)
+p.add_argument("--linger", type=float, default=0.0, help="stay alive this long after the loop, before close()")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -50,6 +51,7 @@ for i in range(args.steps):
     if args.pace:
         time.sleep(args.pace)
 print(f"LOOP_END {time.time():.6f}", flush=True)
+time.sleep(args.linger)
 if not args.no_close:
     gw.close()
 sys.exit(0)
