@@ -30,6 +30,8 @@ from gradwatch.protocol import DataStats, Event, Heartbeat, Signer, Step
 HEARTBEAT_S = 1.0
 #: After this many consecutive failures the sender stops trying (one warning); training goes on.
 MAX_CONSECUTIVE_ERRORS = 20
+#: At most one schema + history replay per this many seconds, however many viewers join.
+HISTORY_MIN_INTERVAL_S = 0.25
 
 
 @dataclass(slots=True)
@@ -70,6 +72,8 @@ class Sender(threading.Thread):
         self._last_step = -1
         self._last_scale: float | None = None
         self._paused = False
+        self._history_due = False
+        self._last_history = -1e9
         self.counters: dict[str, int] = {
             "sent": 0, "dropped_queue": 0, "dropped_send": 0, "oversize": 0, "errors": 0, "subscribers": 0,
         }
@@ -175,6 +179,13 @@ class Sender(threading.Thread):
             elif msg[:1] == b"\x00":
                 self.counters["subscribers"] = max(0, self.counters["subscribers"] - 1)
         if joined:
+            self._history_due = True
+        # Coalesced and rate-limited: a burst of joins (or a peer reconnecting in a loop) costs one
+        # replay per HISTORY_MIN_INTERVAL_S, not one per join.
+        now = time.monotonic()
+        if self._history_due and now - self._last_history >= HISTORY_MIN_INTERVAL_S:
+            self._history_due = False
+            self._last_history = now
             self._send(self._schema_body(self._next_seq(), time.time()), zmq)
             self._send_history(zmq)
 
