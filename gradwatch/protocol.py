@@ -189,6 +189,9 @@ class Step:
     act: ActStats | None = None
     first_nonfinite_module: int | None = None  # index into Schema.modules, forward order
     user: dict[str, float] = field(default_factory=dict)
+    #: With every > 1: non-finite values seen on the steps since the last published one that were not
+    #: published themselves ("loss"/"inputs"/"targets": how many steps; "first_step" when known).
+    missed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +370,8 @@ def step_body(s: Step) -> dict[str, Any]:
         b["fnm"] = s.first_nonfinite_module
     if s.user:
         b["user"] = dict(s.user)
+    if s.missed:
+        b["missed"] = dict(s.missed)
     return b
 
 
@@ -590,7 +595,15 @@ def _decode_step(b: dict[str, Any]) -> Step:
         opt=tuple(_scalars(g, "step.opt") for g in opt_raw),
         scale=q.num("scale", default=None, optional=True), skipped=q.bool("skipped", default=False),
         data=data, act=act, first_nonfinite_module=fnm, user=q.scalars("user", default={}),
+        missed=_missed(b.get("missed", {})),
     )
+
+
+def _missed(v: Any) -> dict[str, int]:
+    if not isinstance(v, dict) or len(v) > 4 or not all(
+            k in ("loss", "inputs", "targets", "first_step") and type(x) is int and x >= 0 for k, x in v.items()):
+        raise DecodeError("invalid", "step.missed: not a map of counts")
+    return dict(v)
 
 
 def _decode_event(b: dict[str, Any]) -> Event:

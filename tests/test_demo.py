@@ -229,13 +229,20 @@ def test_cli_explode_clip_stays_finite_and_reports_raw_norms(runtime_dir: Path) 
     assert "[explode-clip] step    59" in out and "Traceback" not in err
 
 
-def test_cli_loop_stops_cleanly_on_ctrl_c(runtime_dir: Path) -> None:
-    """--loop restarts from a fresh model (same seed: same first loss); SIGINT ends it with rc 0,
-    no traceback, and no run left looking live."""
+def _default_sigint() -> None:
+    """Children of a non-interactive shell inherit SIGINT ignored; Python then never raises
+    KeyboardInterrupt. Give the trainer a normal Ctrl-C whatever launched pytest."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_cli_loop_restarts_fresh_and_stops_cleanly_on_ctrl_c(runtime_dir: Path) -> None:
+    """--loop: every round starts from the same fresh model inside one gradwatch run (steps count
+    on, the round is a user scalar); SIGINT ends it with rc 0, no traceback, the run 'finished'."""
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "explode", "--loop", "--steps", "5"],
                             cwd=ROOT, env=subprocess_env(runtime_dir), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     firsts: list[str] = []
+    steps: list[Step] = []
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 30
@@ -246,6 +253,13 @@ def test_cli_loop_stops_cleanly_on_ctrl_c(runtime_dir: Path) -> None:
             if "step     0 " in line:
                 firsts.append(line.split("loss")[1].split()[0])
         assert len(firsts) == 2, "the second round never started"
+        assert "[explode round 2] step     0 " in line
+        with gradwatch.connect("explode", timeout=5) as client:  # late join: history has round 1
+            for msg in client.records(timeout=5):
+                if isinstance(msg, Step):
+                    steps.append(msg)
+                    if msg.step >= 9:
+                        break
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=15)
     finally:
@@ -255,8 +269,11 @@ def test_cli_loop_stops_cleanly_on_ctrl_c(runtime_dir: Path) -> None:
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert firsts[0] == firsts[1]
-    states = [r.state for r in gradwatch.runs()]
-    assert len(states) >= 2 and "live" not in states, states
+    assert [s.step for s in steps[:10]] == list(range(10))
+    assert [s.user.get("round") for s in steps[:10]] == [1.0] * 5 + [2.0] * 5
+    assert [str(s.loss) for s in steps[5:10]] == [str(s.loss) for s in steps[:5]], "round 2 is not a fresh start"
+    runs = gradwatch.runs()
+    assert [(r.name, r.state) for r in runs] == [("explode", "finished")]
 
 
 def test_cli_rejects_unknown_scenario_in_one_line(runtime_dir: Path) -> None:

@@ -440,3 +440,60 @@ def test_activation_stats_switch_at_run_time(runtime: Path) -> None:
     assert with_act == [1, 2, 4, 6], with_act
     assert len(steps[1].act.modules) == 5  # every leaf module, in forward order
     assert list(steps[1].act.modules) == sorted(steps[1].act.modules)
+
+
+def test_attention_outputs_are_hooked(runtime: Path) -> None:
+    """nn.MultiheadAttention is not a leaf and its out_proj is never called as a module: hook it anyway."""
+    model = TinyLM()
+    gw = gradwatch.watch(model, announce=False, activations=1)
+    client = gradwatch.connect(gw.run_id)
+    x, y = _lm_batches(1)[0]
+    _lm_loss(model(x), y).backward()
+    gw.step()
+    steps, _ = drain(client, 1)
+    gw.close()
+    hooked = [client.schema.modules[i].name for i in steps[0].act.modules]
+    assert "enc.layers.0.self_attn" in hooked and "enc.layers.1.self_attn" in hooked
+    assert not any("dropout" in name for name in hooked)
+    assert hooked.index("enc.layers.0.self_attn") < hooked.index("enc.layers.0.linear1")
+
+
+def test_every_n_still_reports_nonfinite_on_unpublished_steps(runtime: Path) -> None:
+    """every=5 and a NaN input at step 7 (not published): step 10's record says so."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gw = gradwatch.watch(model, opt, every=5, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    for i, (x, y) in enumerate(_mlp_batches(12)):
+        if i == 7:
+            x[0, 0] = float("nan")
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        gw.step(loss, inputs=x, targets=y)
+        opt.zero_grad()
+    steps, _ = drain(client, 3)
+    gw.close()
+    assert sorted(steps) == [0, 5, 10]
+    assert steps[5].missed == {}
+    assert steps[10].missed == {"loss": 1, "inputs": 1, "first_step": 7}
+
+
+def test_auto_detail_cadence_is_spaced_by_cost(runtime: Path) -> None:
+    """detail_every=None: detail steps come, but spaced so their measured cost stays near 1%."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    for x, y in _mlp_batches(300):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        gw.step()
+        opt.step()
+        opt.zero_grad()
+    steps, _ = drain(client, 300)
+    gw.close()
+    detail = [i for i, s in sorted(steps.items()) if s.weight_norm is not None]
+    assert detail[0] == 0 and len(detail) >= 2
+    gaps = {b - a for a, b in zip(detail, detail[1:])}
+    assert min(gaps) >= 2 and max(gaps) <= 200
+    ur_steps = [s.update_step for s in steps.values() if s.update_ratio is not None]
+    assert ur_steps == detail[: len(ur_steps)] and len(ur_steps) >= len(detail) - 1

@@ -9,7 +9,7 @@ from gradwatch._warn import warn
 
 
 def watch(model: Any, optimizer: Any = None, *, name: str | None = None, every: int = 1, scaler: Any = None,
-          control: bool = True, endpoint: str | None = None, detail_every: int = 10, activations: int = 0,
+          control: bool = True, endpoint: str | None = None, detail_every: int | None = None, activations: int = 0,
           update_ratio: bool | None = None, history: int = 2000, announce: bool = True) -> Any:
     """Start publishing per-step telemetry of ``model``. See :func:`gradwatch.watch`."""
     from gradwatch.publisher.watcher import NullWatcher, WatchConfig

@@ -22,6 +22,7 @@ Only this module and ``watcher.py`` touch torch; both import it lazily through `
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -37,26 +38,40 @@ class Work:
 
     step: int
     ts: float
-    buf: torch.Tensor  # float32, 1-D; on CPU, or pinned host memory on CUDA (then ``event`` is set)
+    buf: torch.Tensor | None  # float32, 1-D, pinned host memory on CUDA (then ``event`` is set)
     layout: dict[str, tuple[int, int]]  # name -> (start, stop) in ``buf``
     event: Any = None  # torch.cuda.Event to wait on before reading ``buf``
     meta: dict[str, Any] = field(default_factory=dict)  # host-side values: opt, user, nograd, exact nonfinite...
+    values: dict[str, bytes] = field(default_factory=dict)  # float32 pieces already on the host
 
 
 class Parts:
-    """Accumulates float32 pieces of one step's buffer and where each one lands in it."""
+    """One step's values on their way to the sender.
 
-    __slots__ = ("tensors", "layout", "pos")
+    On the CUDA path everything is a float32 piece of one device buffer (``tensors``/``layout``)
+    that the sender reads after an event. On CPU there is no device queue to stall, so each piece is
+    turned into bytes at once (``values``) and no buffer is built at all.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("host", "tensors", "layout", "pos", "values")
+
+    def __init__(self, host: bool) -> None:
+        self.host = host
         self.tensors: list[torch.Tensor] = []
         self.layout: dict[str, tuple[int, int]] = {}
         self.pos = 0
+        self.values: dict[str, bytes] = {}
 
-    def add(self, name: str, t: torch.Tensor) -> None:
-        t = t.reshape(-1)
+    def add(self, name: str, t: torch.Tensor | tuple[float, ...]) -> None:
+        if isinstance(t, tuple):  # host floats (CPU fast paths)
+            self.values[name] = struct.pack(f"<{len(t)}f", *t)
+            return
+        t = t.detach().reshape(-1)
         if t.dtype != torch.float32:
             t = t.float()
+        if self.host and t.device.type == "cpu":
+            self.values[name] = t.numpy().tobytes()  # a copy: the tensor may be a reused buffer
+            return
         self.tensors.append(t)
         self.layout[name] = (self.pos, self.pos + t.numel())
         self.pos += t.numel()
@@ -89,12 +104,22 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
+def _worth_hooking(mod: torch.nn.Module) -> bool:
+    """Leaf modules, plus attention blocks (``nn.MultiheadAttention`` calls its ``out_proj`` as a
+    function, so no leaf ever sees its output). Dropout/Identity only repeat their input."""
+    if isinstance(mod, torch.nn.MultiheadAttention):
+        return True
+    if isinstance(mod, (torch.nn.Dropout, torch.nn.Identity)):
+        return False
+    return not any(True for _ in mod.children())
+
+
 class ActivationProbe:
     """Forward hooks on leaf modules recording output min/max/mean on the device, in forward order."""
 
     def __init__(self, model: torch.nn.Module, module_index: dict[str, int]) -> None:
         self._targets = [(module_index[name], mod) for name, mod in model.named_modules()
-                         if name and not any(True for _ in mod.children())]
+                         if name and _worth_hooking(mod)]
         self._handles: list[Any] = []
         self._order: list[int] = []
         self._stats: list[torch.Tensor] = []
@@ -146,7 +171,7 @@ class ActivationProbe:
         return order, torch.stack(stats)
 
 
-def data_stats(t: Any, exact_on_host: bool) -> torch.Tensor | None:
+def data_stats(t: Any, exact_on_host: bool) -> torch.Tensor | tuple[float, ...] | None:
     """[numel, nonfinite, min, max, mean, std] of a batch, over its finite values.
 
     On CPU the cheap pass (aminmax, std_mean) is checked on the host and the masked pass runs only if
@@ -157,13 +182,15 @@ def data_stats(t: Any, exact_on_host: bool) -> torch.Tensor | None:
     x = t.detach()
     if x.is_complex():
         x = x.abs()
-    x = x.float() if not x.is_floating_point() or x.dtype != torch.float32 else x
+    if x.dtype != torch.float32:
+        x = x.float()
     numel = float(x.numel())
     if exact_on_host:
         lo, hi = torch.aminmax(x)
-        if math.isfinite(float(lo)) and math.isfinite(float(hi)):  # CPU: no device queue to stall
+        lo_f, hi_f = lo.item(), hi.item()  # CPU: no device queue to stall
+        if math.isfinite(lo_f) and math.isfinite(hi_f):
             std, mean = torch.std_mean(x, unbiased=False)
-            return torch.stack((torch.full((), numel), torch.zeros(()), lo.float(), hi.float(), mean, std))
+            return (numel, 0.0, lo_f, hi_f, mean.item(), std.item())
     fin = torch.isfinite(x)
     cnt = fin.sum()
     nonfinite = numel - cnt.float()
@@ -210,6 +237,11 @@ class GradProbe:
         #: CPU so the tests exercise the GPU logic without a GPU.
         self.branchless = self.cuda
         self._events = _EventPool(queue_size + 4) if self.cuda else None
+        kinds = {(p.device, p.dtype) for p in params}
+        #: One device and dtype: the common case, served by one foreach call and one stack.
+        self._uniform = len(kinds) == 1
+        self._f32 = self._uniform and next(iter(kinds))[1] == torch.float32
+        self._out = torch.empty(self.n, dtype=torch.float32) if not self.cuda else None
 
     def _zero(self, device: torch.device) -> torch.Tensor:
         z = self._zeros.get(device)
@@ -234,6 +266,20 @@ class GradProbe:
                 out[i] = v if dev == self.device else v.to(self.device, non_blocking=True)
         return out
 
+    def _norm_vec(self, tensors: list[Any], ord: float, complete: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-tensor norms as one float32 vector in parameter order (0 where a tensor is missing)."""
+        if not self.n:
+            return torch.zeros(0, device=self.device)
+        if complete and self._uniform:
+            if ord == 2 and not self._f32:
+                norms = torch._foreach_norm(tensors, ord, dtype=torch.float32)  # fp16/bf16: accumulate in fp32
+            else:
+                norms = torch._foreach_norm(tensors, ord)
+            if out is not None and norms[0].dtype == torch.float32:
+                return torch.stack(norms, out=out)
+            return torch.stack(norms).float()
+        return torch.stack(self._foreach_norm(tensors, ord)).float()
+
     @staticmethod
     def _maxabs_exact(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(max-abs, count of non-finite elements) of one tensor, exactly."""
@@ -251,7 +297,7 @@ class GradProbe:
         with torch.no_grad():
             live = [p.detach() for p in self.params]
             torch._foreach_sub_(self._snap, live)  # snap := w_old - w_new
-            dw = torch.stack(self._foreach_norm(self._snap, 2.0))  # type: ignore[arg-type]
+            dw = self._norm_vec(self._snap, 2.0, True)
             wn = self._snap_wn
             # a weight that was exactly 0 (zero-initialised biases) was wholly replaced: ratio 1, not inf
             ratio = torch.where(wn > 0, dw / wn.clamp_min(torch.finfo(torch.float32).tiny), (dw > 0).float())
@@ -259,42 +305,40 @@ class GradProbe:
         self._snap_active = False
 
     def collect(self, parts: Parts, meta: dict[str, Any], step: int, detail: bool) -> None:
-        """Append this step's gradient (and, on detail steps, weight) statistics to ``parts``."""
-        grads: list[torch.Tensor | None] = [p.grad for p in self.params]
+        """Add this step's gradient (and, on detail steps, weight) statistics to ``parts``."""
+        grads: list[Any] = [p.grad for p in self.params]
         nograd = [i for i, g in enumerate(grads) if g is None]
+        complete = not nograd
         if nograd:
             meta["nograd"] = nograd
-        add = parts.add
-        gn = torch.stack(self._foreach_norm(grads, 2.0)) if self.n else torch.zeros(0)
-        add("gn", gn)
-        if self.branchless:
-            add("gmax", torch.stack(self._foreach_norm(grads, INF)))  # fused on CUDA: cheap and exact
+        host = parts.host
+        gn = self._norm_vec(grads, 2.0, complete, self._out if host else None)
+        parts.add("gn", gn)
+        if not host:
+            parts.add("gmax", self._norm_vec(grads, INF, complete))  # fused on CUDA: cheap and exact
         elif self.n:
-            # CPU: reading the norms costs nothing (no device queue). Classify exactly only if needed.
+            # CPU: reading the norms costs nothing (no device queue). Classify exactly only if needed:
+            # a non-finite L2 means a NaN/Inf element *or* an overflow of finite values (FINDINGS 6).
             norms = gn.tolist()
-            bad = [i for i, v in enumerate(norms) if not math.isfinite(v)]
+            bad = [] if math.isfinite(sum(norms)) else [i for i, v in enumerate(norms) if not math.isfinite(v)]
+            meta["nonfinite"] = {}
             if detail or bad:
-                stats = [self._maxabs_exact(g) if g is not None else (self._zero(self.device), self._zero(self.device))
-                         for g in grads]
-                gmax = torch.stack([s[0] for s in stats])
-                add("gmax", gmax)
+                zero = self._zero(self.device)
+                stats = [self._maxabs_exact(g) if g is not None else (zero, zero) for g in grads]
+                parts.add("gmax", torch.stack([s[0] for s in stats]))
                 if bad:
                     counts = torch.stack([stats[i][1] for i in bad]).tolist()
                     meta["nonfinite"] = {i: int(c) for i, c in zip(bad, counts) if c > 0}
-                else:
-                    meta["nonfinite"] = {}
-            else:
-                meta["nonfinite"] = {}
         if self._pending_ur is not None:
             ur_step, ur = self._pending_ur
-            add("ur", ur)
+            parts.add("ur", ur)
             meta["ur_step"] = ur_step
             self._pending_ur = None
         if detail and self.n:
             with torch.no_grad():
                 weights = [p.detach() for p in self.params]
-                wn = torch.stack(self._foreach_norm(weights, 2.0))  # type: ignore[arg-type]
-                add("wn", wn)
+                wn = self._norm_vec(weights, 2.0, True)
+                parts.add("wn", wn)
                 if self.update_ratio:
                     if self._snap is None:
                         self._snap = [w.clone() for w in weights]
@@ -303,42 +347,48 @@ class GradProbe:
                     self._snap_wn, self._snap_step, self._snap_active = wn, step, True
 
     def finish(self, parts: Parts, step: int, ts: float, meta: dict[str, Any]) -> Work:
-        """One buffer for the whole step; on CUDA an async copy to pinned memory plus an event."""
+        """On CPU the values are already bytes. On CUDA: one buffer, one async copy to pinned memory
+        and one pooled event; the sender thread waits on the event, the training thread never does."""
+        if not parts.tensors:
+            return Work(step, ts, None, {}, None, meta, parts.values)
         tensors = [p if p.device == self.device else p.to(self.device, non_blocking=True) for p in parts.tensors]
-        buf = torch.cat(tensors) if tensors else torch.zeros(0)
-        layout = parts.layout
+        buf = torch.cat(tensors)
         if not self.cuda:
-            return Work(step, ts, buf, layout, None, meta)
+            return Work(step, ts, buf, parts.layout, None, meta, parts.values)
         host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)  # served by torch's caching host allocator
         host.copy_(buf, non_blocking=True)
         assert self._events is not None
         ev = self._events.next()
         ev.record()
-        return Work(step, ts, host, layout, ev, meta)
+        return Work(step, ts, host, parts.layout, ev, meta, parts.values)
 
 
 def scalar_part(value: Any, device: torch.device) -> torch.Tensor | None:
-    """A float32 1-element tensor for a loss/lr/scale given as a tensor (stays on device) or a number."""
+    """A loss given as a tensor (it stays where it is until the sender reads it), else None."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            value = value.detach().float().mean()
-        return value.detach().reshape(1).float().to(device, non_blocking=True)
+        value = value.detach()
+        return value if value.numel() == 1 else value.float().mean()
     return None
 
 
-def hyper_of(groups: Iterable[dict[str, Any]]) -> tuple[list[dict[str, float]], list[tuple[int, str, torch.Tensor]]]:
-    """Plain numeric hyper-parameters per group, plus tensor-valued ones that must travel on device."""
+HYPER_KEYS = ("lr", "momentum", "weight_decay", "eps", "dampening")
+
+
+def hyper_of(groups: Iterable[dict[str, Any]], full: bool = True) -> tuple[list[dict[str, float]], list[tuple[int, str, torch.Tensor]]]:
+    """Numeric hyper-parameters per group (only ``lr`` unless ``full``), plus tensor-valued ones that
+    must travel through the device buffer (a capturable/fused optimizer's LR lives on the GPU)."""
     out: list[dict[str, float]] = []
     tensors: list[tuple[int, str, torch.Tensor]] = []
+    keys = HYPER_KEYS if full else ("lr",)
     for gi, g in enumerate(groups):
         h: dict[str, float] = {}
-        for key in ("lr", "momentum", "weight_decay", "eps", "dampening"):
+        for key in keys:
             v = g.get(key)
             if isinstance(v, torch.Tensor):
                 tensors.append((gi, key, v))
             elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 h[key] = float(v)
-        betas = g.get("betas")
+        betas = g.get("betas") if full else None
         if isinstance(betas, (tuple, list)) and len(betas) == 2:
             for k, b in zip(("beta1", "beta2"), betas):
                 if isinstance(b, torch.Tensor):

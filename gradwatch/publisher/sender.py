@@ -28,6 +28,8 @@ from gradwatch._warn import warn
 from gradwatch.protocol import DataStats, Event, Heartbeat, Signer, Step
 
 HEARTBEAT_S = 1.0
+#: How often the sender drains the queue when nobody wakes it: the added latency, step to wire.
+DRAIN_S = 0.02
 #: After this many consecutive failures the sender stops trying (one warning); training goes on.
 MAX_CONSECUTIVE_ERRORS = 20
 #: At most one schema + history replay per this many seconds, however many viewers join.
@@ -62,6 +64,7 @@ class Sender(threading.Thread):
         self._sock = socket
         self._schema_body = schema_body  # (seq, ts) -> packed schema body
         self._queue: deque[Any] = deque(maxlen=cfg.queue_size)
+        self._wake_at = max(1, cfg.queue_size // 2)
         self._wake = threading.Event()
         self._stop_flag = False
         self._final: _EventItem | None = None
@@ -73,6 +76,7 @@ class Sender(threading.Thread):
         self._last_scale: float | None = None
         self._paused = False
         self._history_due = False
+        self._hyper: list[dict[str, float]] = []
         self._last_history = -1e9
         self.counters: dict[str, int] = {
             "sent": 0, "dropped_queue": 0, "dropped_send": 0, "oversize": 0, "errors": 0, "subscribers": 0,
@@ -84,15 +88,22 @@ class Sender(threading.Thread):
     # ------------------------------------------------------------------ training thread side
 
     def submit(self, item: Any) -> None:
-        """O(1), never blocks. When the queue is full the oldest item is dropped (and counted)."""
+        """O(1), never blocks. When the queue is full the oldest item is dropped (and counted).
+
+        The sender is woken only when the queue is half full; otherwise it drains every ``DRAIN_S``.
+        Each wake-up costs a thread switch and a GIL hand-over on the training thread's clock.
+        """
         q = self._queue
-        if len(q) == q.maxlen:
+        n = len(q)
+        if n == q.maxlen:
             self.counters["dropped_queue"] += 1
         q.append(item)
-        self._wake.set()
+        if n >= self._wake_at:
+            self._wake.set()
 
     def event(self, name: str, step: int, message: str = "", data: dict[str, Any] | None = None) -> None:
         self.submit(_EventItem(name, step, message, data or {}))
+        self._wake.set()  # events are rare and wanted at once
 
     def stop(self, final: tuple[str, str] | None = None, timeout: float = 1.0) -> None:
         """Ask the thread to flush what it can, publish ``final`` (event, message) and close the socket."""
@@ -112,7 +123,7 @@ class Sender(threading.Thread):
         next_hb = 0.0
         try:
             while True:
-                self._wake.wait(0.05)
+                self._wake.wait(DRAIN_S)
                 self._wake.clear()
                 if self.failed:
                     if self._stop_flag:
@@ -249,12 +260,16 @@ class Sender(threading.Thread):
         """Turn one :class:`~gradwatch.publisher.probes.Work` into a protocol Step (host side only)."""
         if work.event is not None:
             work.event.synchronize()  # waits in this thread only; the trainer never syncs for us
-        vals = work.buf.numpy() if hasattr(work.buf, "numpy") else np.asarray(work.buf, dtype=np.float32)
+        vals = work.buf.numpy() if work.buf is not None else None
         lay = work.layout
         meta = work.meta
+        host = work.values
 
         def sl(name: str) -> np.ndarray | None:
-            if name not in lay:
+            raw = host.get(name)
+            if raw is not None:
+                return np.frombuffer(raw, dtype=np.float32)
+            if vals is None or name not in lay:
                 return None
             a, b = lay[name]
             return vals[a:b]
@@ -286,6 +301,16 @@ class Sender(threading.Thread):
             v = scalar(f"opt:{gi}:{key}")
             if v is not None and gi < len(opt):
                 opt[gi][key] = v
+        if opt:
+            if len(opt) != len(self._hyper) or len(opt[0]) > 1:  # a full read (detail step) or new groups
+                self._hyper = [dict(g) for g in opt]
+            else:  # only the learning rates were read: the other hyper-parameters are the last full read
+                opt = [{**h, **g} for h, g in zip(self._hyper, opt)]
+        missed = dict(meta.get("missed", {}))
+        for name in ("loss", "inputs", "targets"):
+            v = scalar(f"missed:{name}")
+            if v:
+                missed[name] = int(v)
         data: dict[str, DataStats] = {}
         for name in ("inputs", "targets"):
             v = sl(f"data:{name}")
@@ -303,7 +328,7 @@ class Sender(threading.Thread):
             if bad:
                 fnm = mods[bad[0]]
         user = dict(meta.get("user", {}))
-        for name in lay:
+        for name in (*lay, *host):
             if name.startswith("user:"):
                 user[name[5:]] = scalar(name)
         skipped = bool(self.cfg.scaler_enabled and nonfinite)
@@ -318,13 +343,14 @@ class Sender(threading.Thread):
         if scale is not None:
             self._last_scale = scale
         ur = sl("ur")
+        wn = sl("wn")
         step = Step(
             run=self.cfg.run, step=work.step, seq=self._next_seq(), ts=work.ts, loss=loss, total=total,
             grad_norm=gn.tobytes(), grad_max=gmax.tobytes() if gmax is not None else None,  # type: ignore[arg-type]
             nonfinite=nonfinite, nograd=tuple(meta.get("nograd", ())),
-            weight_norm=sl("wn").tobytes() if "wn" in lay else None,  # type: ignore[union-attr,arg-type]
+            weight_norm=wn.tobytes() if wn is not None else None,  # type: ignore[arg-type]
             update_ratio=ur.tobytes() if ur is not None else None,  # type: ignore[arg-type]
             update_step=meta.get("ur_step"), opt=tuple(opt), scale=scale, skipped=skipped, data=data, act=act,
-            first_nonfinite_module=fnm, user=user,
+            first_nonfinite_module=fnm, user=user, missed=missed,
         )
         return step, events

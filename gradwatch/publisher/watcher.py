@@ -14,6 +14,7 @@ Rules it lives by (brief non-negotiable 3, research/reliability.md §9.1):
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import socket as _socket
 import sys
@@ -32,6 +33,10 @@ from gradwatch.publisher.probes import ActivationProbe, GradProbe, Parts, data_s
 from gradwatch.publisher.sender import Sender, SenderConfig
 
 MAX_CONSECUTIVE_ERRORS = 10
+#: With detail_every=None, detail steps are spaced to cost about this share of training time...
+DETAIL_BUDGET = 0.01
+#: ...but at least one detail step per this many published steps.
+MAX_DETAIL_GAP = 200
 STALLED_VIEWER_BUDGET = 32 * 1024 * 1024  # bytes a stalled viewer may cost us in zmq queues
 
 
@@ -41,7 +46,7 @@ class WatchConfig:
 
     name: str | None = None
     every: int = 1
-    detail_every: int = 10
+    detail_every: int | None = None
     activations: int = 0
     update_ratio: bool | None = None
     control: bool = True
@@ -53,6 +58,8 @@ class WatchConfig:
     def __post_init__(self) -> None:
         for key in ("every", "detail_every", "history", "queue_size"):
             v = getattr(self, key)
+            if key == "detail_every" and v is None:
+                continue
             if type(v) is not int or v < 1:
                 raise ValueError(f"gradwatch.watch({key}=...) must be a positive integer, got {v!r}")
         if type(self.activations) is not int or self.activations < 0:
@@ -128,6 +135,13 @@ class Watcher:
         self._closed = False
         self.disabled_reason: str | None = None
         self._act_armed = 0
+        self._missed: dict[str, int] = {}
+        self._missed_dev: dict[str, torch.Tensor] = {}
+        self._next_detail = 0
+        self._last_t0: float | None = None
+        self._interval: float | None = None
+        self._plain_cost: float | None = None
+        self._detail_cost: float | None = None
         self._act_every = cfg.activations
         self._handles: list[Any] = []
         self._scaler_step: Any = None
@@ -351,53 +365,111 @@ class Watcher:
         self._guarded(self._boundary, self._pending_loss, None, None)
 
     def _boundary(self, loss: Any, inputs: Any, targets: Any) -> None:
+        t0 = time.perf_counter()
         step = self._step
         self._step += 1
         probe = self._probe
         probe.settle()
-        every = self.cfg.every
-        if step % every == 0:
-            detail = self._published % self.cfg.detail_every == 0
-            self._published += 1
-            parts = Parts()
-            meta: dict[str, Any] = {}
-            dev = probe.device
-            lp = scalar_part(loss, dev)
-            if lp is not None:
-                parts.add("loss", lp)
-            elif loss is not None:
-                meta["loss"] = float(loss)
-            if self.scaler is not None and self._scaler_enabled():
-                scale = getattr(self.scaler, "_scale", None)  # the device tensor: no host sync (get_scale() syncs)
-                if isinstance(scale, torch.Tensor):
-                    parts.add("scale", scale.detach().to(dev, non_blocking=True))
-                    meta["scaled"] = self._grads_scaled()
-            if self.optimizer is not None:
-                hyper, tensors = hyper_of(self.optimizer.param_groups)
-                meta["opt"] = hyper
-                if tensors:
-                    meta["opt_tensors"] = [(gi, k) for gi, k, _ in tensors]
-                    for gi, k, t in tensors:
-                        parts.add(f"opt:{gi}:{k}", t.detach().to(dev, non_blocking=True))
-            probe.collect(parts, meta, step, detail)
+        if step % self.cfg.every:
+            self._watch_unpublished(step, loss, inputs, targets)
             if self._act.attached:
-                order, stats = self._act.take()
-                if stats is not None:
-                    parts.add("act", stats)
-                    meta["act_modules"] = order
-            for name, t in (("inputs", inputs), ("targets", targets)):
-                st = data_stats(t, exact_on_host=not probe.branchless) if t is not None else None
-                if st is not None:
-                    parts.add(f"data:{name}", st.to(dev, non_blocking=True))
-            if self._user:
-                meta["user"] = _plain_scalars(self._user, parts, dev)
-                self._user = {}
-            self._pending_loss = None
-            assert self.sender is not None
-            self.sender.submit(probe.finish(parts, step, time.time(), meta))
-        elif self._act.attached:
-            self._act.reset()
+                self._act.reset()
+            self._plan_activations(step + 1)
+            return
+        detail = self._published >= self._next_detail
+        self._published += 1
+        host = not probe.branchless
+        parts = Parts(host)
+        meta: dict[str, Any] = {}
+        dev = probe.device
+        lp = scalar_part(loss, dev)
+        if lp is not None and host and lp.device.type == "cpu":
+            meta["loss"] = lp.item()  # CPU: no device queue to stall
+        elif lp is not None:
+            parts.add("loss", lp)
+        elif loss is not None:
+            meta["loss"] = float(loss)
+        if self.scaler is not None and self._scaler_enabled():
+            scale = getattr(self.scaler, "_scale", None)  # the device tensor: no host sync (get_scale() syncs)
+            if isinstance(scale, torch.Tensor):
+                parts.add("scale", scale)
+                meta["scaled"] = self._grads_scaled()
+        if self.optimizer is not None:
+            # every step: the learning rates; on detail steps: every hyper-parameter (the sender fills in)
+            hyper, tensors = hyper_of(self.optimizer.param_groups, full=detail)
+            meta["opt"] = hyper
+            if tensors:
+                meta["opt_tensors"] = [(gi, k) for gi, k, _ in tensors]
+                for gi, k, t in tensors:
+                    parts.add(f"opt:{gi}:{k}", t)
+        probe.collect(parts, meta, step, detail)
+        if self._act.attached:
+            order, stats = self._act.take()
+            if stats is not None:
+                parts.add("act", stats)
+                meta["act_modules"] = order
+        for name, t in (("inputs", inputs), ("targets", targets)):
+            st = data_stats(t, exact_on_host=host) if t is not None else None
+            if st is not None:
+                parts.add(f"data:{name}", st)
+        for name, t in self._missed_dev.items():
+            parts.add(f"missed:{name}", t)
+        self._missed_dev = {}
+        if self._missed:
+            meta["missed"], self._missed = self._missed, {}
+        if self._user:
+            meta["user"] = _plain_scalars(self._user, parts)
+            self._user = {}
+        self._pending_loss = None
+        assert self.sender is not None
+        self.sender.submit(probe.finish(parts, step, time.time(), meta))
         self._plan_activations(step + 1)
+        self._pace_detail(t0, detail)
+
+    def _pace_detail(self, t0: float, detail: bool) -> None:
+        """Choose when the next detail step comes.
+
+        With ``detail_every=None`` (the default) detail steps -- max-abs, weight norms, the weight
+        snapshot for update ratios -- are spaced so that their extra cost stays near
+        ``DETAIL_BUDGET`` of the training time: measured, not guessed, since it ranges from ~3 passes
+        over the weights on a CPU to almost nothing on a GPU.
+        """
+        now = time.perf_counter()
+        took = now - t0
+        if self._last_t0 is not None:
+            self._interval = _ema(self._interval, t0 - self._last_t0)
+        self._last_t0 = t0
+        if detail:
+            self._detail_cost = _ema(self._detail_cost, max(0.0, took - (self._plain_cost or 0.0)))
+        else:
+            self._plain_cost = _ema(self._plain_cost, took)
+        if not detail:
+            return
+        fixed = self.cfg.detail_every
+        if fixed is not None:
+            self._next_detail = self._published - 1 + fixed
+            return
+        gap = 10
+        if self._interval and self._detail_cost is not None:
+            gap = math.ceil(self._detail_cost / (DETAIL_BUDGET * self._interval * self.cfg.every))
+        self._next_detail = self._published - 1 + max(1, min(MAX_DETAIL_GAP, gap))
+
+    def _watch_unpublished(self, step: int, loss: Any, inputs: Any, targets: Any) -> None:
+        """With every > 1, a NaN on a step that is not published must still be reported (on the next one).
+
+        Cheap: one finiteness check per tensor, read on the host only on CPU; on CUDA the flags are
+        accumulated on the device and shipped with the next published step.
+        """
+        for name, t in (("loss", loss), ("inputs", inputs), ("targets", targets)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+                continue
+            flag = torch.isfinite(t.detach()).all().logical_not()
+            if self._probe.branchless:
+                prev = self._missed_dev.get(name)
+                self._missed_dev[name] = flag.float() if prev is None else prev + flag.float()
+            elif flag.item():  # CPU: no device queue to stall
+                self._missed[name] = self._missed.get(name, 0) + 1
+                self._missed.setdefault("first_step", step)
 
     def _plan_activations(self, next_step: int, consume: bool = True) -> None:
         """Attach the forward hooks for ``next_step`` only if it is armed or on the cadence."""
@@ -460,14 +532,17 @@ class Watcher:
             pass
 
 
-def _plain_scalars(user: dict[str, Any], parts: Parts, dev: torch.device) -> dict[str, Any]:
+def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+def _plain_scalars(user: dict[str, Any], parts: Parts) -> dict[str, Any]:
     """User scalars: numbers as floats, tensors via the device buffer (no sync), others dropped."""
     out: dict[str, Any] = {}
     for k, v in user.items():
         if isinstance(v, torch.Tensor):
-            p = scalar_part(v, dev)
-            if p is not None:
-                parts.add(f"user:{k}", p)
+            if v.numel() == 1:
+                parts.add(f"user:{k}", v)
         elif isinstance(v, bool):
             out[k] = v
         elif isinstance(v, (int, float)):
