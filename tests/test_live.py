@@ -80,6 +80,7 @@ def test_late_viewer_gets_the_last_2000_steps(runtime: Path) -> None:
     proc = _start(runtime, "2600", "--linger", "20")
     run_id = _run_id(proc)
     assert proc.stdout.readline().startswith("LOOP_END")  # type: ignore[union-attr]
+    time.sleep(0.5)  # the sender drains its queue every 20 ms
     with gradwatch.connect(run_id) as client:
         seen: list[int] = []
         for msg in client.records(timeout=2.0):
