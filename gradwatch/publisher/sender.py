@@ -28,6 +28,8 @@ from gradwatch._warn import warn
 from gradwatch.protocol import DataStats, Event, Heartbeat, Signer, Step
 
 HEARTBEAT_S = 1.0
+#: Steps drained together travel in one frame up to about this size.
+BATCH_BYTES = 512 * 1024
 #: How often the sender drains the queue when nobody wakes it: the added latency, step to wire.
 DRAIN_S = 0.02
 #: After this many consecutive failures the sender stops trying (one warning); training goes on.
@@ -76,6 +78,8 @@ class Sender(threading.Thread):
         self._last_scale: float | None = None
         self._paused = False
         self._history_due = False
+        self._batch: list[bytes] = []
+        self._batch_bytes = 0
         self._hyper: list[dict[str, float]] = []
         self._last_history = -1e9
         self.counters: dict[str, int] = {
@@ -133,8 +137,11 @@ class Sender(threading.Thread):
                 try:
                     self._answer_subscriptions(zmq)
                     deadline = time.monotonic() + (0.5 if self._stop_flag else 0.2)
-                    while self._queue and time.monotonic() < deadline:
-                        self._process(self._queue.popleft(), zmq)
+                    try:
+                        while self._queue and time.monotonic() < deadline:
+                            self._process(self._queue.popleft(), zmq)
+                    finally:
+                        self._flush(zmq)
                     now = time.monotonic()
                     if now >= next_hb:
                         self._send(self._heartbeat_body(), zmq)
@@ -244,15 +251,34 @@ class Sender(threading.Thread):
                 self._paused = True
             elif item.event == "resumed":
                 self._paused = False
+            self._flush(zmq)  # keep the order steps and events happened in
             self._send(self._event_body(item), zmq)
             return
         step, events = self.build_step(item)
         body = msgpack.packb(protocol.step_body(step), use_bin_type=True)
         self._remember(body)
         self._last_step = step.step
-        self._send(body, zmq)
+        self._batch.append(body)
+        self._batch_bytes += len(body)
+        if events or self._batch_bytes > BATCH_BYTES:
+            self._flush(zmq)
         for ev in events:
             self._send(self._event_body(ev), zmq)
+
+    def _flush(self, zmq: Any) -> None:
+        """Send the steps gathered in this drain: one frame (one MAC, one send) for all of them."""
+        batch = self._batch
+        if not batch:
+            return
+        self._batch, self._batch_bytes = [], 0
+        if len(batch) == 1:
+            self._send(batch[0], zmq)
+            return
+        body = protocol.history_body(self.cfg.run, self._next_seq(), time.time(), batch, [])
+        before = self.counters["dropped_send"]
+        self._send(body, zmq)
+        if self.counters["dropped_send"] > before:
+            self.counters["dropped_send"] += len(batch) - 1
 
     # ------------------------------------------------------------------ decoding the device buffer
 
@@ -288,7 +314,8 @@ class Sender(threading.Thread):
             if gmax is not None:
                 gmax = (gmax / np.float32(scale)).astype(np.float32)
         with np.errstate(over="ignore", invalid="ignore"):
-            total = float(np.float32(math.sqrt(float(np.sum(gn.astype(np.float64) ** 2))))) if len(gn) else 0.0
+            g64 = gn.astype(np.float64)
+            total = float(np.float32(math.sqrt(float(g64.dot(g64))))) if len(gn) else 0.0
         nonfinite: dict[int, int]
         if "nonfinite" in meta:
             nonfinite = dict(meta["nonfinite"])
@@ -307,10 +334,11 @@ class Sender(threading.Thread):
             else:  # only the learning rates were read: the other hyper-parameters are the last full read
                 opt = [{**h, **g} for h, g in zip(self._hyper, opt)]
         missed = dict(meta.get("missed", {}))
-        for name in ("loss", "inputs", "targets"):
-            v = scalar(f"missed:{name}")
-            if v:
-                missed[name] = int(v)
+        if vals is not None:
+            for name in ("loss", "inputs", "targets"):
+                v = scalar(f"missed:{name}")
+                if v:
+                    missed[name] = int(v)
         data: dict[str, DataStats] = {}
         for name in ("inputs", "targets"):
             v = sl(f"data:{name}")
@@ -328,9 +356,10 @@ class Sender(threading.Thread):
             if bad:
                 fnm = mods[bad[0]]
         user = dict(meta.get("user", {}))
-        for name in (*lay, *host):
-            if name.startswith("user:"):
-                user[name[5:]] = scalar(name)
+        if "user" in meta or vals is not None:
+            for name in (*lay, *host):
+                if name.startswith("user:"):
+                    user[name[5:]] = scalar(name)
         skipped = bool(self.cfg.scaler_enabled and nonfinite)
         events: list[_EventItem] = []
         if skipped:
