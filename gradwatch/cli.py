@@ -1,4 +1,4 @@
-"""``gradwatch`` command line: ``--version``, ``ls``, ``tail``.
+"""``gradwatch`` command line: the viewer (no command, ``attach``, ``replay``, ``demo``), ``ls``, ``tail``, ``export``.
 
 Every failure is one line on stderr and a non-zero exit code, never a traceback:
 2 for bad arguments, 1 for "nothing to attach to / unreachable / foreign endpoint", 130 on Ctrl-C.
@@ -146,6 +146,87 @@ def cmd_tail(args: argparse.Namespace) -> int:
         client.close()
 
 
+def _need_terminal() -> None:
+    from gradwatch.transport import TransportError
+
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise TransportError("the viewer needs a terminal (over ssh use `ssh -t`); for logs use `gradwatch tail`")
+
+
+def _run_viewer(app: Any) -> int:
+    app.run()
+    rec = getattr(app, "recording", None)
+    if rec is not None:
+        rec.close()
+        if rec.display and not rec.error:
+            print(f"gradwatch: this session was recorded to {rec.display}", file=sys.stderr)
+    return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    """``gradwatch`` / ``gradwatch attach``: 0 runs -> wait for one; 1 -> attach; several -> pick."""
+    import dataclasses
+
+    from gradwatch.transport import check_endpoint, find_run, list_runs
+    from gradwatch.tui.app import make_app
+    from gradwatch.tui.recording import SessionRecorder
+    from gradwatch.tui.sources import LiveSource
+
+    _need_terminal()
+    recorder = None if args.no_record else SessionRecorder()
+    spec = getattr(args, "run", None)
+    endpoint = getattr(args, "connect", None)
+    if endpoint:
+        check_endpoint(endpoint)
+        spec_info = dataclasses.replace(find_run(spec), stream=endpoint, state="live")
+        spec = str(spec_info.path) if spec_info.path else spec
+    if spec is not None:
+        find_run(spec)  # a clear one-line error now, rather than a viewer waiting forever for a typo
+        app = make_app(lambda: LiveSource(spec, record=recorder, endpoint=endpoint), read_only=args.read_only,
+                       recording=recorder)
+        return _run_viewer(app)
+    live = [r for r in list_runs()[0] if r.state == "live"]
+    if len(live) > 1:
+        app = make_app(None, runs_to_pick=live, pick=lambda run: (lambda: LiveSource(run.run, record=recorder)),
+                       read_only=args.read_only, recording=recorder)
+    else:
+        target = live[0].run if live else None
+        app = make_app(lambda: LiveSource(target, record=recorder), read_only=args.read_only, recording=recorder)
+    return _run_viewer(app)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from gradwatch.record import read_recording
+    from gradwatch.tui.app import make_app
+    from gradwatch.tui.sources import ReplaySource
+
+    reader = read_recording(args.file)  # validates the header: a one-line error for a wrong file
+    del reader
+    _need_terminal()
+    return _run_viewer(make_app(lambda: ReplaySource(args.file, speed=args.speed, follow=args.follow), read_only=True))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gradwatch.tui.app import make_app
+    from gradwatch.tui.sources import SyntheticSource
+
+    _need_terminal()
+    return _run_viewer(make_app(lambda: SyntheticSource(seed=args.seed, layers=args.layers, nan_at=args.nan_at,
+                                                        spike_at=args.spike_at, rate=args.rate), read_only=True))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from gradwatch.record import export
+
+    if args.output in (None, "-"):
+        rows = export(args.file, args.format, sys.stdout)
+    else:
+        with open(args.output, "w", encoding="utf-8", newline="") as out:
+            rows = export(args.file, args.format, out)
+    print(f"gradwatch: exported {rows} rows", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gradwatch", description="Live gradient telemetry for PyTorch training.")
     p.add_argument("--version", action="version", version=f"gradwatch {__version__}")
@@ -162,6 +243,28 @@ def build_parser() -> argparse.ArgumentParser:
                       help="read from this endpoint instead of the one in the connection file (e.g. a socket forwarded with ssh -L)")
     tail.add_argument("--heartbeats", action="store_true", help="also print heartbeats with the sender's counters")
     tail.set_defaults(history=True)
+    for parser in (p,):
+        parser.add_argument("--read-only", action="store_true", help="never send anything to the trainer")
+        parser.add_argument("--no-record", action="store_true", help="do not record this session")
+    attach = sub.add_parser("attach", help="open the viewer on one run")
+    attach.add_argument("run", help="run id, name, pid or connection file")
+    attach.add_argument("--connect", metavar="ENDPOINT", help="read from this endpoint (e.g. an ssh-forwarded socket)")
+    attach.add_argument("--read-only", action="store_true", help="never send anything to the trainer")
+    attach.add_argument("--no-record", action="store_true", help="do not record this session")
+    replay = sub.add_parser("replay", help="show a recording in the viewer")
+    replay.add_argument("file")
+    replay.add_argument("--speed", type=_positive_float, default=1.0, help="replay speed factor (default 1)")
+    replay.add_argument("--follow", action="store_true", help="keep reading as the file grows")
+    export = sub.add_parser("export", help="convert a recording to CSV or JSON lines")
+    export.add_argument("file")
+    export.add_argument("--format", choices=("csv", "jsonl"), required=True)
+    export.add_argument("-o", "--output", help="output file (default: stdout)")
+    demo = sub.add_parser("demo", help="the viewer on a synthetic stream (no torch, no trainer needed)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--layers", type=_positive_int, default=12)
+    demo.add_argument("--nan-at", type=_positive_int, default=300)
+    demo.add_argument("--spike-at", type=_positive_int, default=150)
+    demo.add_argument("--rate", type=_positive_float, default=20.0, help="steps per second")
     return p
 
 
@@ -191,19 +294,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "ls":
-            return cmd_ls(args)
-        if args.command == "tail":
-            return cmd_tail(args)
-        parser.print_help()
+        return _dispatch(parser, args)
+    except BrokenPipeError:
         return 0
-    except TransportError as exc:
+    except (TransportError, ValueError, OSError) as exc:
+        # TransportError, RecordingError (a ValueError) and file errors: one line, no traceback
         print(f"gradwatch: error: {clean(exc, 400)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        return 0
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    commands = {"ls": cmd_ls, "tail": cmd_tail, "export": cmd_export, "replay": cmd_replay, "demo": cmd_demo,
+                "attach": cmd_view, None: cmd_view}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -741,6 +741,20 @@ def decode(frame: bytes, signer: Signer, guard: ReplayGuard | None = None) -> Me
     return msg
 
 
+def decode_body(body: bytes) -> Message:
+    """Decode and validate one unsigned body, exactly as :func:`decode` does after verification.
+
+    For bodies whose integrity comes from elsewhere (a local recording file): they are still
+    untrusted input, so every field is validated. Raises only :class:`DecodeError`.
+    """
+    try:
+        return _decode_body(unpack(body))
+    except DecodeError:
+        raise
+    except Exception as exc:  # defensive: a validator bug must still be a counted rejection
+        raise DecodeError("invalid", f"{type(exc).__name__}") from None
+
+
 def history_body(run: str, seq: int, ts: float, packed_steps: list[bytes], packed_events: list[bytes]) -> bytes:
     """A history message built from already packed step/event bodies (the sender keeps them packed)."""
     return _pack({"k": "history", "run": run, "seq": seq, "ts": ts, "steps": packed_steps, "events": packed_events})

@@ -285,10 +285,11 @@ class GradProbe:
         return torch.stack(self._foreach_norm(tensors, ord)).float()
 
     @staticmethod
-    def _maxabs_exact(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(max-abs, count of non-finite elements) of one tensor, exactly."""
+    def _maxabs(g: torch.Tensor) -> torch.Tensor:
+        """Max-abs of one tensor, exactly: NaN iff a NaN, inf iff an inf (aminmax: one pass, and on CPU
+        10x faster than an inf-norm)."""
         lo, hi = torch.aminmax(g)
-        return torch.maximum(lo.float().neg(), hi.float()), (~torch.isfinite(g)).sum()
+        return torch.maximum(lo.float().neg(), hi.float())
 
     def settle(self) -> None:
         """At every step boundary: if a snapshot was taken at the previous one, measure the update.
@@ -328,10 +329,9 @@ class GradProbe:
             meta["nonfinite"] = {}
             if detail or bad:
                 zero = self._zero(self.device)
-                stats = [self._maxabs_exact(g) if g is not None else (zero, zero) for g in grads]
-                parts.add("gmax", torch.stack([s[0] for s in stats]))
-                if bad:
-                    counts = torch.stack([stats[i][1] for i in bad]).tolist()
+                parts.add("gmax", torch.stack([self._maxabs(g) if g is not None else zero for g in grads]))
+                if bad:  # the exact count, only for the tensors whose L2 norm was not finite
+                    counts = torch.stack([(~torch.isfinite(grads[i])).sum() for i in bad]).tolist()
                     meta["nonfinite"] = {i: int(c) for i, c in zip(bad, counts) if c > 0}
         if self._pending_ur is not None:
             ur_step, ur = self._pending_ur

@@ -1,0 +1,334 @@
+"""The gradwatch viewer: composes the widgets, routes keys, and pulls from the model at a fixed rate.
+
+Data path (STYLE.md): a Source runs in a worker thread and applies message batches to a
+:class:`~gradwatch.tui.state.RunState` under a lock; a timer at ~8 Hz reads the state and redraws
+only what changed. The UI frame rate is therefore independent of the trainer's step rate, and no
+thread but the UI thread ever touches a widget. This module decides *what* to show; the widgets
+decide *how*; the state decides *what it means*.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical
+from textual.reactive import reactive
+from textual.widgets import Footer, Input, Static
+from textual.worker import Worker, WorkerState, get_current_worker
+
+from gradwatch.tui.screens.confirm import ConfirmScreen
+from gradwatch.tui.screens.help import HelpScreen
+from gradwatch.tui.screens.picker import PickerScreen
+from gradwatch.tui.sources import Source
+from gradwatch.tui.state import Conn, RunState
+from gradwatch.tui.widgets.alerts import AlertPane
+from gradwatch.tui.widgets.heat_table import HeatTable
+from gradwatch.tui.widgets.plots import SeriesPlot
+from gradwatch.tui.widgets.status import StatusBar, status_text
+
+SORTS = ("anomaly", "grad", "nonfinite", "name")
+HEAT_WIDTH = 24
+
+PAUSE_NOT_YET = ("Pause the trainer into pdb?\n\nThis trainer does not accept control commands yet: "
+                 "pause-into-pdb arrives with a later gradwatch release. Nothing was sent.")
+PAUSE_READ_ONLY = "This viewer is read-only (--read-only): it never sends anything to the trainer."
+
+
+class GradwatchApp(App[None]):
+    """Live (or replayed) telemetry of one training run."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "gradwatch"
+    BINDINGS = [
+        Binding("q", "quit", "quit", id="quit", tooltip="Quit the viewer (the trainer is not touched)"),
+        Binding("question_mark", "help", "help", id="help", key_display="?"),
+        Binding("slash", "filter", "filter", id="filter", key_display="/", tooltip="Filter layers by regex"),
+        Binding("s", "cycle_sort", "sort", id="sort"),
+        Binding("space", "freeze", "freeze", id="freeze", tooltip="Freeze the view; data keeps arriving"),
+        Binding("l", "log_scale", "log", id="log_scale"),
+        Binding("m", "group_modules", "modules", id="group_modules"),
+        Binding("r", "reconnect", "reconnect", id="reconnect"),
+        Binding("P", "pause_trainer", "pause trainer", id="pause_trainer", key_display="P"),
+        Binding("escape", "clear", "clear", show=False, id="clear"),
+    ]
+
+    frozen: reactive[bool] = reactive(False)
+    """The view is frozen (space); the model keeps receiving."""
+    log_scale: reactive[bool] = reactive(False)
+    """Plots on a log10 y axis."""
+    by_module: reactive[bool] = reactive(False)
+    """Table rows are modules (norms aggregated) instead of parameters."""
+    sort_key: reactive[str] = reactive("anomaly")
+    """Table order: anomaly (default), grad, nonfinite or name."""
+    pattern: reactive[str] = reactive("")
+    """Regex filter on layer names."""
+    selected_layer: reactive[int | None] = reactive(None)
+    """The layer whose history the second plot shows (None: the total norm)."""
+    focus_step: reactive[int | None] = reactive(None)
+    """A step to mark on the plots (set by choosing an alert)."""
+
+    def __init__(self, source_factory: Callable[[], Source] | None = None, *, runs_to_pick: Sequence[Any] = (),
+                 pick: Callable[[Any], Callable[[], Source]] | None = None, read_only: bool = False,
+                 refresh_hz: float = 8.0, capacity: int = 2000, clock: Callable[[], float] = time.monotonic,
+                 recording: Any = None) -> None:
+        super().__init__()
+        self.state = RunState(capacity=capacity)
+        self._lock = threading.RLock()
+        self._source_factory = source_factory
+        self._runs_to_pick = list(runs_to_pick)
+        self._pick = pick
+        self.read_only = read_only
+        self._refresh_hz = refresh_hz
+        self._clock = clock
+        self._seen_version = -1
+        self._view_dirty = True
+        self.recording = recording
+        self.errors = 0
+
+    # ------------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar(id="status")
+        with Horizontal(id="main"):
+            with Vertical(id="left"):
+                with Grid(id="plots"):
+                    yield SeriesPlot("loss", id="plot-loss")
+                    yield SeriesPlot("total grad norm", id="plot-grad")
+                    yield SeriesPlot("learning rate", id="plot-lr")
+                    yield SeriesPlot("max update ratio", id="plot-update")
+                yield Input(placeholder="regex filter on layer names (enter to apply, escape to clear)", id="filter")
+                yield HeatTable(id="table")
+            with Vertical(id="right"):
+                yield Static("alerts", id="alerts-title")
+                yield AlertPane(id="alerts")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#filter", Input).display = False
+        self.query_one("#table", HeatTable).focus()  # not the (hidden) filter box, which would eat keys
+        self.set_interval(1 / self._refresh_hz, self._refresh_view)
+        if self._runs_to_pick:
+            self.push_screen(PickerScreen(self._runs_to_pick), self._picked)
+        elif self._source_factory is not None:
+            self._start_source()
+        self._refresh_view()
+
+    def _picked(self, run: Any) -> None:
+        if run is None:
+            self.exit()
+            return
+        if self._pick is not None:
+            self._source_factory = self._pick(run)
+            self._start_source()
+
+    # ------------------------------------------------------------------ receiving
+
+    def _start_source(self) -> None:
+        if self._source_factory is None:
+            return
+        self._receive(self._source_factory())
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="receiver")
+    def _receive(self, source: Source) -> None:
+        """Runs the source in a thread; it only touches the model (under the lock), never a widget."""
+        worker = get_current_worker()
+
+        def emit(batch: list[Any], info: dict[str, Any]) -> None:
+            now = self._clock()
+            with self._lock:
+                for msg in batch:
+                    self.state.apply(msg, now)
+                conn = info.get("conn")
+                if conn:
+                    self.state.set_conn(Conn(conn), info.get("reason", ""))
+                if "rejected" in info:
+                    self.state.set_viewer_counters(info.get("rejected", {}), info.get("received", 0))
+
+        source.run(emit, lambda: worker.is_cancelled)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.group == "receiver" and event.state == WorkerState.ERROR:
+            self.errors += 1
+            with self._lock:
+                self.state.set_conn(Conn.LOST, f"receiver failed: {event.worker.error!r}"[:200])
+            self.notify(f"receiver failed: {event.worker.error!r}"[:300], severity="error", timeout=10)
+
+    # ------------------------------------------------------------------ drawing
+
+    def _refresh_view(self) -> None:
+        try:
+            with self._lock:
+                changed = self.state.tick(self._clock())
+                version = self.state.version
+                if not (changed or version != self._seen_version or self._view_dirty):
+                    return
+                self._seen_version = version
+                self._draw_status()
+                if self.frozen and not self._view_dirty:
+                    return
+                self._view_dirty = False
+                with self.batch_update():
+                    self._draw_plots()
+                    self._draw_table()
+                    self._draw_alerts()
+        except Exception as exc:  # noqa: BLE001 - a drawing bug must not kill the viewer: count and show it
+            self.errors += 1
+            if self.errors <= 3:
+                self.notify(f"display error: {type(exc).__name__}: {exc}"[:300], severity="error")
+
+    def _draw_status(self) -> None:
+        st = self.state
+        sc = st.schema
+        rejected = sum(v for k, v in st.counters.items() if k.startswith("rejected_"))
+        dropped = st.counters.get("dropped_queue", 0) + st.counters.get("dropped_send", 0)
+        self.query_one("#status", StatusBar).update(status_text(
+            conn=st.conn.value, name=sc.name if sc else None, run=sc.run if sc else None,
+            host=sc.host if sc else None, pid=sc.pid if sc else None, ranks=sc.world_size if sc else 1,
+            step=st.last_step, steps_per_s=st.steps_per_s, dropped=dropped, rejected=rejected, frozen=self.frozen,
+            paused=st.paused, reason=st.conn_reason, recording=getattr(self.recording, "display", None)))
+
+    def _draw_plots(self) -> None:
+        st = self.state
+        log = self.log_scale
+        steps, loss = st.series("loss")
+        self.query_one("#plot-loss", SeriesPlot).show(steps, loss, log=log)
+        grad = self.query_one("#plot-grad", SeriesPlot)
+        if self.selected_layer is not None and st.schema is not None:
+            names = st.modules if self.by_module else st.names
+            name = names[self.selected_layer] if self.selected_layer < len(names) else "?"
+            steps, values = st.layer_series(self.selected_layer, module=self.by_module)
+            grad.show(steps, values, title=f"grad norm: {name}", log=log)
+        else:
+            steps, values = st.series("total")
+            grad.show(steps, values, title="total grad norm", log=log)
+        steps, lr = st.series("lr")
+        self.query_one("#plot-lr", SeriesPlot).show(steps, lr, log=log)
+        steps, up = st.series("max_update")
+        self.query_one("#plot-update", SeriesPlot).show(steps, up, log=log)
+        if self.focus_step is not None:
+            for plot in self.query(SeriesPlot):
+                plot.plt.vline(self.focus_step, "cyan")
+                plot.refresh()
+
+    def _draw_table(self) -> None:
+        st = self.state
+        if st.schema is None:
+            return
+        rows = st.rows(sort=self.sort_key, pattern=self.pattern or None, by_module=self.by_module)
+        table = self.query_one("#table", HeatTable)
+        heats = {r.index: st.heat(r.index, HEAT_WIDTH, module=self.by_module) for r in rows}
+        table.show(rows, heats)
+
+    def _draw_alerts(self) -> None:
+        self.query_one("#alerts", AlertPane).show(self.state.alerts)
+        self.query_one("#alerts-title", Static).update(f"alerts ({len(self.state.alerts)})")
+
+    def _redraw(self) -> None:
+        """View state changed (a key): draw on the next loop turn, not from inside a watcher."""
+        self._view_dirty = True
+        if self.is_mounted:
+            self.call_later(self._refresh_view)
+
+    def watch_log_scale(self) -> None:
+        self._redraw()
+
+    def watch_by_module(self) -> None:
+        self.selected_layer = None
+        self._redraw()
+
+    def watch_sort_key(self) -> None:
+        self._redraw()
+
+    def watch_pattern(self) -> None:
+        self._redraw()
+
+    def watch_selected_layer(self) -> None:
+        self._redraw()
+
+    def watch_frozen(self) -> None:
+        self._redraw()
+
+    # ------------------------------------------------------------------ actions
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen([b for b in self.BINDINGS if isinstance(b, Binding)]))
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.value = self.pattern
+        box.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "filter":
+            self.pattern = event.value
+            event.input.display = bool(event.value)
+            self.query_one("#table", HeatTable).focus()
+
+    def action_clear(self) -> None:
+        box = self.query_one("#filter", Input)
+        if box.has_focus or self.pattern:
+            self.pattern = ""
+            box.value = ""
+            box.display = False
+            self.query_one("#table", HeatTable).focus()
+        self.selected_layer = None
+        self.focus_step = None
+
+    def action_cycle_sort(self) -> None:
+        self.sort_key = SORTS[(SORTS.index(self.sort_key) + 1) % len(SORTS)]
+        self.notify(f"sorted by {self.sort_key}", timeout=2)
+
+    def action_freeze(self) -> None:
+        self.frozen = not self.frozen
+
+    def action_log_scale(self) -> None:
+        self.log_scale = not self.log_scale
+
+    def action_group_modules(self) -> None:
+        self.by_module = not self.by_module
+
+    def action_reconnect(self) -> None:
+        if self._source_factory is None:
+            return
+        self.workers.cancel_group(self, "receiver")
+        with self._lock:
+            self.state.set_conn(Conn.WAITING, "reconnecting")
+        self._start_source()
+        self.notify("reconnecting", timeout=2)
+
+    def action_pause_trainer(self) -> None:
+        control = bool(self.state.schema is not None and self.state.schema.control and not self.read_only)
+        text = PAUSE_READ_ONLY if self.read_only else PAUSE_NOT_YET
+        self.push_screen(ConfirmScreen(text, yes="Pause", no="Close", can_confirm=control))
+
+    def on_data_table_row_selected(self, event: HeatTable.RowSelected) -> None:
+        self.selected_layer = int(event.row_key.value) if event.row_key.value is not None else None
+
+    def on_alert_pane_alert_chosen(self, event: AlertPane.AlertChosen) -> None:
+        alert = event.alert
+        self.focus_step = alert.step
+        if alert.layer:
+            names = self.state.names
+            if alert.layer in names:
+                index = names.index(alert.layer)
+                if self.by_module:
+                    self.by_module = False
+                self.pattern = ""
+                self._redraw()
+                table = self.query_one("#table", HeatTable)
+                table.select_index(index)
+                self.selected_layer = index
+                table.focus()
+        self._redraw()
+
+
+def make_app(source_factory: Callable[[], Source] | None = None, **kwargs: Any) -> GradwatchApp:
+    """The one place the CLI, the tests and the demo build a viewer."""
+    return GradwatchApp(source_factory, **kwargs)
+

@@ -1,0 +1,1 @@
+"""Modal screens: help, confirm a risky action, pick a run."""

@@ -1,0 +1,450 @@
+"""One interface for live and recorded data: the viewer runs any :class:`Source` the same way.
+
+A source's :meth:`Source.run` blocks in a worker thread and hands the UI side batches of messages
+through ``emit(batch, info)``, at most ~20 times per second (:class:`Batcher`), so the app's
+lock is taken per batch, not per message (FINDINGS 26: a Python subscriber sees up to ~90k
+messages/s). ``info`` is ``{"conn": a Conn value or None, "reason": str, "rejected": dict,
+"received": int}``; ``conn`` is None when the connection state did not change, and a change is
+always delivered *after* the messages that preceded it. A source never raises: a failure becomes
+``conn="LOST"`` with a one-line reason.
+
+* :class:`LiveSource`: a run's ZeroMQ stream through :class:`gradwatch.client.Client`, created
+  inside the worker thread (zmq sockets are not thread-safe); waits for the run, follows it when it
+  dies and comes back (a restarted trainer with the same name), optionally records every message.
+* :class:`ReplaySource`: a recording (:mod:`gradwatch.record`), at recorded speed or faster.
+* :class:`~gradwatch.tui.synthetic.SyntheticSource`: a seeded fake stream (re-exported here).
+
+No Textual and no torch: these are plain threads' work, testable without a terminal.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from gradwatch.protocol import Message, Schema
+from gradwatch.text import clean
+from gradwatch.transport import RunInfo, TransportError, find_run, list_runs, read_connection_file
+
+__all__ = ["Batcher", "Emit", "LiveSource", "ReplaySource", "Source", "SyntheticSource", "idle_until_cancelled"]
+
+#: ``emit(batch, info)``: how a source hands its messages to the viewer.
+Emit = Callable[[list[Message], dict[str, Any]], None]
+#: Seconds between two emits (20 per second at most).
+EMIT_INTERVAL_S = 0.05
+#: Replay: idle gaps in a recording are shortened to this many seconds (before dividing by speed).
+MAX_REPLAY_GAP_S = 2.0
+
+
+class Batcher:
+    """Gathers messages, counters and connection changes, and emits them at most every ``interval`` s.
+
+    Used from one thread (the source's). A connection change is attached to the messages added before
+    it: adding a message while a change is pending flushes first, so ``apply(batch); set_conn(...)``
+    on the receiving side sees events in the order they happened.
+    """
+
+    def __init__(self, emit: Emit, interval: float = EMIT_INTERVAL_S) -> None:
+        self._emit = emit
+        self.interval = interval
+        self._batch: list[Message] = []
+        self._conn: str | None = None  # pending change
+        self._reason = ""
+        self.conn_now: str | None = None  # last conn announced (or pending)
+        self.reason_now = ""
+        self.rejected: dict[str, int] = {}
+        self.received = 0
+        self._counters_dirty = False
+        self.last_emit = 0.0
+
+    def add(self, msg: Message) -> None:
+        if self._conn is not None:
+            self.flush()
+        self._batch.append(msg)
+
+    def conn(self, conn: str, reason: str = "") -> None:
+        """Announce a connection state (a :class:`~gradwatch.tui.state.Conn` value); repeats are dropped."""
+        if conn == self.conn_now and reason == self.reason_now:
+            return
+        self.conn_now, self.reason_now = conn, reason
+        self._conn, self._reason = conn, reason
+
+    def counters(self, rejected: dict[str, int], received: int) -> None:
+        if received != self.received or rejected != self.rejected:
+            self.rejected, self.received = dict(rejected), int(received)
+            self._counters_dirty = True
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last_emit >= self.interval
+
+    def flush_if_due(self) -> None:
+        if (self._batch or self._conn is not None or self._counters_dirty) and self.due():
+            self.flush()
+
+    def flush(self) -> None:
+        if not (self._batch or self._conn is not None or self._counters_dirty):
+            return
+        batch, self._batch = self._batch, []
+        info = {"conn": self._conn, "reason": self._reason if self._conn is not None else self.reason_now,
+                "rejected": dict(self.rejected), "received": self.received}
+        self._conn = None
+        self._counters_dirty = False
+        self.last_emit = time.monotonic()
+        self._emit(batch, info)
+
+
+def _sleep(seconds: float, cancelled: Callable[[], bool], out: Batcher | None = None) -> bool:
+    """Sleep in short slices, flushing ``out``; False if cancelled meanwhile."""
+    end = time.monotonic() + seconds
+    while not cancelled():
+        if out is not None:
+            out.flush_if_due()
+        left = end - time.monotonic()
+        if left <= 0:
+            return True
+        time.sleep(min(left, 0.05))
+    return False
+
+
+def idle_until_cancelled(out: Batcher, cancelled: Callable[[], bool]) -> None:
+    """Keep the worker alive (the contract: return only when cancelled) after the data ended."""
+    out.flush()
+    while not cancelled():
+        out.flush_if_due()
+        time.sleep(0.05)
+
+
+class Source(abc.ABC):
+    """Where the viewer's messages come from. Subclasses implement :meth:`run`."""
+
+    label: str = "source"
+
+    @abc.abstractmethod
+    def run(self, emit: Emit, cancelled: Callable[[], bool]) -> None:
+        """Blocking; runs in a worker thread until ``cancelled()`` is True. Never raises.
+
+        Calls ``emit(batch, info)`` at most ~20 times per second with everything received since the
+        last call; ``info = {"conn": Conn value or None, "reason": str, "rejected": dict, "received": int}``.
+        """
+
+
+# --------------------------------------------------------------------------- live
+
+
+class LiveSource(Source):
+    """A live run's stream.
+
+    Args:
+        spec: what :func:`gradwatch.transport.find_run` accepts (run id or prefix, name, pid,
+            connection file); None: the newest live run.
+        connect_timeout: seconds to wait for the schema after connecting before saying why it does
+            not come (another key, nothing listening); it keeps waiting after that.
+        record: anything with ``write(msg, t)``, called for every message (a recording). A failing
+            recorder is dropped; the stream goes on.
+        endpoint: read from this endpoint instead of the connection file's (an ssh-forwarded socket);
+            the key still comes from the connection file.
+        lost_after: seconds of silence (heartbeats included) before the run counts as LOST while its
+            process is still alive; the socket stays open and reconnects by itself.
+
+    States: WAITING while no live run matches (``find_run`` polled every ``poll_s``); LIVE once the
+    schema arrives; when the messages stop and the connection file says the process is gone:
+    CRASHED (or FINISHED), then a new live run with the same name that started after the lost one
+    is looked for every ``repoll_s`` and attached to automatically (its schema resets the viewer).
+    """
+
+    def __init__(self, spec: str | None = None, *, connect_timeout: float = 3.0, record: Any = None,
+                 endpoint: str | None = None, lost_after: float = 10.0, poll_s: float = 0.5,
+                 repoll_s: float = 1.0) -> None:
+        self.spec = spec
+        self.connect_timeout = float(connect_timeout)
+        self.record = record
+        self.endpoint = endpoint
+        self.lost_after = float(lost_after)
+        self.poll_s = float(poll_s)
+        self.repoll_s = float(repoll_s)
+        self.label = f"live: {clean(spec, 80) if spec else 'newest live run'}"
+        #: The run currently (or last) attached to; read-only for other threads.
+        self.current: RunInfo | None = None
+
+    def run(self, emit: Emit, cancelled: Callable[[], bool]) -> None:
+        out = Batcher(emit)
+        lost: RunInfo | None = None  # the run we were attached to and lost: look for its successor
+        while not cancelled():
+            try:
+                info, why = self._find(lost)
+                if info is None:
+                    out.conn("LOST" if lost is not None and self.current is not None else "WAITING", why)
+                    out.flush_if_due()
+                    _sleep(self.repoll_s if lost is not None else self.poll_s, cancelled, out)
+                    continue
+                gone = self._follow(info, out, cancelled)
+                if gone is not None:
+                    lost = gone
+            except Exception as exc:  # noqa: BLE001 - a source never raises; it reports and retries
+                out.conn("LOST", f"receiver error: {type(exc).__name__}: {exc}")
+                out.flush()
+                _sleep(self.repoll_s, cancelled, out)
+        out.flush()
+
+    # ------------------------------------------------------------------ finding the run
+
+    def _find(self, lost: RunInfo | None) -> tuple[RunInfo | None, str]:
+        """The live run to attach to, or (None, why not)."""
+        if lost is not None:
+            succ = _successor(lost)
+            if succ is not None:
+                return succ, ""
+            return None, (f"run {clean(lost.name, 60)} ({lost.run}) is gone; waiting for a new run named "
+                          f"{clean(lost.name, 60)}")
+        try:
+            info = find_run(self.spec)
+        except TransportError as exc:
+            return None, clean(str(exc), 200)
+        if info.state == "live":
+            return info, ""
+        succ = _successor(info)
+        if succ is not None:
+            return succ, ""
+        return None, (f"run {clean(info.name, 60)} ({info.run}) has {info.state}; waiting for a new run named "
+                      f"{clean(info.name, 60)}")
+
+    # ------------------------------------------------------------------ following one run
+
+    def _follow(self, info: RunInfo, out: Batcher, cancelled: Callable[[], bool]) -> RunInfo | None:
+        """Stream one run until cancelled (None) or until its process is gone (returns the run)."""
+        from gradwatch.client import Client  # imports zmq: only in the worker that uses it
+
+        target = info if self.endpoint is None else dataclasses.replace(info, stream=self.endpoint, state="live")
+        name = f"{clean(info.name, 60)} ({info.run})"
+        try:
+            client = Client(target)
+        except TransportError as exc:
+            out.conn("LOST", clean(str(exc), 200))
+            _sleep(self.repoll_s, cancelled, out)
+            return None
+        self.current = info
+        try:
+            out.conn("WAITING", f"connecting to {name}")
+            start = time.monotonic()
+            last_msg: float | None = None
+            schema_seen = False
+            said_slow = said_lost = False
+            next_check = 0.0
+            record = self.record
+            while not cancelled():
+                msg = client.recv(timeout=0.02)
+                now = time.monotonic()
+                if msg is not None:
+                    last_msg = now
+                    said_lost = False
+                    if record is not None:
+                        try:
+                            record.write(msg, time.time())
+                        except Exception:  # noqa: BLE001 - a recording problem must never stop the viewer
+                            record = self.record = None
+                    out.add(msg)
+                    if isinstance(msg, Schema):
+                        schema_seen = True
+                        out.conn("LIVE", f"attached to {name}")
+                if now - out.last_emit >= out.interval:
+                    out.counters(dict(client.rejected), client.received)
+                    out.flush_if_due()
+                if msg is not None:
+                    continue  # drain what is queued before the slower checks
+                quiet = now - (last_msg if last_msg is not None else start)
+                if quiet >= 1.0 and now >= next_check:  # heartbeats come every second: is the process gone?
+                    next_check = now + 0.5
+                    state = _state_of(info)
+                    if state != "live":
+                        conn = {"finished": "FINISHED", "crashed": "CRASHED"}.get(state, "LOST")
+                        why = {"finished": "has finished", "crashed": "is gone (its process died without closing)"}
+                        out.conn(conn, f"run {name} {why.get(state, 'disappeared (no connection file)')}")
+                        out.counters(dict(client.rejected), client.received)
+                        out.flush()
+                        return info
+                if not schema_seen and quiet >= self.connect_timeout and not said_slow:
+                    said_slow = True
+                    out.conn("WAITING", _silence(target, client.rejected, self.connect_timeout))
+                if schema_seen and quiet >= self.lost_after and not said_lost:
+                    said_lost = True
+                    out.conn("LOST", f"no message from {name} for {quiet:.0f} s; its process is alive, still listening")
+            return None
+        finally:
+            client.close()
+            out.flush()
+
+
+def _successor(old: RunInfo) -> RunInfo | None:
+    """A live run with the same name as ``old``, not ``old`` itself, started after it (newest first)."""
+    runs, _problems = list_runs()
+    for r in runs:
+        if r.state == "live" and r.name == old.name and r.run != old.run and r.started >= old.started - 1.0:
+            return r
+    return None
+
+
+def _state_of(info: RunInfo) -> str:
+    """live / finished / crashed from the run's connection file now; "gone" if it vanished."""
+    try:
+        if info.path is not None:
+            return read_connection_file(info.path).state
+        return find_run(info.run).state
+    except TransportError:
+        return "gone"
+
+
+def _silence(info: RunInfo, rejected: Any, timeout: float) -> str:
+    if rejected:
+        detail = ", ".join(f"{k} x{v}" for k, v in sorted(rejected.items(), key=lambda kv: -kv[1]))
+        return clean(f"{info.stream} answers, but not with this run's signed frames ({detail}): a foreign endpoint "
+                     f"or a stale key", 200)
+    return clean(f"no schema from {info.stream} within {timeout:g} s; still trying", 200)
+
+
+# --------------------------------------------------------------------------- replay
+
+
+_END = object()
+
+
+def _snapshot(counter: Any) -> dict[str, int]:
+    """A copy of a Counter another thread may be updating (a copy can race with an insert)."""
+    for _ in range(3):
+        try:
+            return dict(counter)
+        except RuntimeError:
+            continue
+    return {}
+
+
+class ReplaySource(Source):
+    """A recording played back through the same path as live data.
+
+    Args:
+        path: a ``.gwrec`` file (:mod:`gradwatch.record`).
+        speed: 1.0 replays with the recorded timing, 2.0 twice as fast; 0 or inf: as fast as possible.
+            Idle gaps are shortened to :data:`MAX_REPLAY_GAP_S` before dividing by the speed.
+        follow: keep reading a file that is still being written (``tail -f``); no FINISHED at its end.
+
+    Records the reader drops (corrupt, invalid) are reported as ``info["rejected"]``.
+    """
+
+    def __init__(self, path: Any, *, speed: float = 1.0, follow: bool = False) -> None:
+        speed = float(speed)
+        if math.isnan(speed) or speed < 0:
+            raise ValueError("speed must be >= 0 (0 or inf: as fast as possible)")
+        self.path = path
+        self.speed = speed
+        self.follow = follow
+        self.label = f"replay: {clean(str(path), 80)}"
+
+    def run(self, emit: Emit, cancelled: Callable[[], bool]) -> None:
+        out = Batcher(emit)
+        done = threading.Event()
+        try:
+            self._run(out, cancelled, done)
+        except Exception as exc:  # noqa: BLE001 - a source never raises
+            out.conn("LOST", clean(f"replay failed: {type(exc).__name__}: {exc}", 200))
+        finally:
+            done.set()
+        if not cancelled():
+            idle_until_cancelled(out, cancelled)
+        out.flush()
+
+    def _run(self, out: Batcher, cancelled: Callable[[], bool], done: threading.Event) -> None:
+        try:
+            from gradwatch.record import read_recording
+        except ImportError as exc:
+            out.conn("LOST", f"cannot replay: recording support is missing ({exc})")
+            return
+        show = clean(str(self.path), 100)
+
+        def stop() -> bool:
+            return done.is_set() or cancelled()
+
+        try:
+            reader = read_recording(self.path, follow=self.follow, stop=stop)
+        except Exception as exc:  # noqa: BLE001 - RecordingError and OSError alike: a one-line reason
+            out.conn("LOST", clean(str(exc), 200))
+            return
+        # Reading runs in its own thread: in follow mode the reader blocks waiting for the file to
+        # grow, and the pending batch must still reach the viewer on time.
+        q: queue.Queue[Any] = queue.Queue(maxsize=4096)
+        failure: list[BaseException] = []
+
+        def put(item: Any) -> bool:
+            while not stop():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def read() -> None:
+            try:
+                for item in reader:
+                    if not put(item):
+                        return
+            except Exception as exc:  # noqa: BLE001 - reported by the consumer
+                failure.append(exc)
+            put(_END)
+
+        thread = threading.Thread(target=read, name="gradwatch-replay-reader", daemon=True)
+        thread.start()
+        out.conn("LIVE", f"replaying {show}")
+        paced = 0 < self.speed < math.inf
+        wall0 = 0.0
+        virtual = 0.0
+        prev_t: float | None = None
+        try:
+            while not cancelled():
+                try:
+                    item = q.get(timeout=0.05)
+                except queue.Empty:
+                    out.counters(_snapshot(reader.skipped), reader.records)
+                    out.flush_if_due()
+                    continue
+                if item is _END:
+                    break
+                t, msg = item
+                if paced and isinstance(t, float) and math.isfinite(t):
+                    if prev_t is None:
+                        wall0, prev_t = time.monotonic(), t
+                    virtual += min(max(t - prev_t, 0.0), MAX_REPLAY_GAP_S) / self.speed
+                    prev_t = max(prev_t, t)
+                    while not cancelled():
+                        left = wall0 + virtual - time.monotonic()
+                        if left <= 0:
+                            break
+                        out.flush_if_due()
+                        time.sleep(min(left, 0.02))
+                out.add(msg)
+                if out.due():
+                    out.counters(_snapshot(reader.skipped), reader.records)
+                    out.flush_if_due()
+            if cancelled():
+                return
+            out.counters(_snapshot(reader.skipped), reader.records)
+            if failure:
+                out.conn("LOST", clean(f"cannot read {show}: {failure[0]}", 200))
+            elif not self.follow:
+                out.conn("FINISHED", f"end of recording {show}")
+            out.flush()
+        finally:
+            done.set()
+            thread.join(timeout=1.0)
+
+
+def __getattr__(name: str) -> Any:
+    # SyntheticSource lives in synthetic.py, which imports this module: re-export it lazily (PEP 562).
+    if name == "SyntheticSource":
+        from gradwatch.tui.synthetic import SyntheticSource
+
+        return SyntheticSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

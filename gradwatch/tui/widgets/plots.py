@@ -1,0 +1,70 @@
+"""Line plots of recent steps that never crash on NaN/Inf and show non-finite points explicitly.
+
+Textual's Sparkline and textual-plotext both die on NaN or Inf (FINDINGS 19). Every series goes
+through :func:`split_finite` first: finite points are drawn as a line, and steps whose value was
+NaN/Inf are drawn as red vertical markers, so "the loss went NaN here" is visible at a glance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from textual_plotext import PlotextPlot
+
+
+def split_finite(steps: np.ndarray, values: np.ndarray, log: bool) -> tuple[list[float], list[float], list[float]]:
+    """(x, y) of the drawable points and the x of the non-finite ones. On a log scale, values <= 0
+    cannot be drawn either; they are dropped (not marked: zero is a legitimate gradient norm)."""
+    steps = np.asarray(steps, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(values)
+    bad = steps[~finite]
+    ok = finite & (values > 0) if log else finite
+    # plotext cannot scale +-1e308 either: clip to a range it can print
+    y = np.clip(values[ok], -1e300, 1e300)
+    return steps[ok].tolist(), y.tolist(), bad.tolist()
+
+
+class SeriesPlot(PlotextPlot):
+    """One titled series. ``show(steps, values)`` redraws; call it only when the data changed."""
+
+    DEFAULT_CSS = """
+    SeriesPlot { height: 1fr; min-height: 6; }
+    """
+
+    def __init__(self, title: str, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.title = title
+        self.log_scale = False
+        self.nonfinite_count = 0
+
+    def show(self, steps: np.ndarray, values: np.ndarray, *, title: str | None = None, log: bool | None = None) -> None:
+        if title is not None:
+            self.title = title
+        if log is not None:
+            self.log_scale = log
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        x, y, bad = split_finite(steps, values, self.log_scale)
+        self.nonfinite_count = len(bad)
+        suffix = f"  [{len(bad)} non-finite]" if bad else ""
+        plt.title(f"{self.title}{' (log)' if self.log_scale else ''}{suffix}")
+        if self.log_scale and y:
+            plt.yscale("log")
+        if y:
+            plt.plot(x, y, marker="braille")
+        for b in bad[-50:]:  # each non-finite step: a red marker line
+            plt.vline(b, "red")
+        if not y and not bad:
+            plt.xlim(0, 1)
+            plt.ylim(0, 1)
+        elif bad and not y:
+            plt.ylim(0, 1)
+        if x or bad:
+            lo = min(x[0] if x else math.inf, bad[0] if bad else math.inf)
+            hi = max(x[-1] if x else -math.inf, bad[-1] if bad else -math.inf)
+            if hi > lo:
+                plt.xlim(lo, hi)
+        self.refresh()

@@ -1,0 +1,49 @@
+"""The one-line run header: who, where, how fast, connection state and the counters that matter."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from gradwatch.text import clean
+
+STATE_STYLE = {
+    "WAITING": "bold black on yellow", "LIVE": "bold black on green", "STALE": "bold black on yellow",
+    "LOST": "bold white on red", "FINISHED": "bold white on blue", "CRASHED": "bold white on red",
+}
+
+
+def status_text(*, conn: str, name: str | None, run: str | None, host: str | None, pid: int | None, ranks: int,
+                step: int | None, steps_per_s: float, dropped: int, rejected: int, frozen: bool, paused: bool,
+                reason: str = "", recording: str | None = None) -> Text:
+    t = Text(no_wrap=True, overflow="ellipsis")
+    t.append(f" {conn} ", style=STATE_STYLE.get(conn, "reverse"))
+    if paused:
+        t.append(" PAUSED ", style="bold black on magenta")
+    if frozen:
+        t.append(" FROZEN ", style="bold black on cyan")
+    t.append(" ")
+    if name is None:
+        t.append("waiting for a run", style="italic")
+        if reason:
+            t.append(f" - {clean(reason, 80)}", style="dim")
+        return t
+    t.append(clean(name, 40), style="bold")
+    t.append(f" ({run})  {clean(host or '?', 30)} pid {pid}", style="dim")
+    if ranks > 1:
+        t.append(f"  ranks {ranks}")
+    t.append(f"  step {step if step is not None else '-'}")
+    t.append(f"  {steps_per_s:.1f} steps/s")
+    t.append(f"  dropped {dropped}", style="yellow" if dropped else "dim")
+    t.append(f"  rejected {rejected}", style="bold red" if rejected else "dim")
+    if reason and conn in ("LOST", "STALE", "CRASHED"):
+        t.append(f"  {clean(reason, 60)}", style="dim")
+    if recording:
+        t.append(f"  rec {clean(recording, 60)}", style="dim")
+    return t
+
+
+class StatusBar(Static):
+    DEFAULT_CSS = """
+    StatusBar { height: 1; background: $panel; }
+    """

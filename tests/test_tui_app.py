@@ -1,0 +1,267 @@
+"""The viewer, driven with Pilot (App.run_test) by seeded synthetic sources: states, keys, selection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable
+
+import pytest
+
+from gradwatch.tui.app import GradwatchApp, make_app
+from gradwatch.tui.screens.confirm import ConfirmScreen
+from gradwatch.tui.screens.help import HelpScreen
+from gradwatch.tui.screens.picker import PickerScreen
+from gradwatch.tui.sources import Source
+from gradwatch.tui.state import Conn
+from gradwatch.tui.synthetic import SyntheticSource, synthetic_messages
+from gradwatch.tui.widgets.heat_table import HeatTable
+from gradwatch.tui.widgets.plots import SeriesPlot
+
+SIZE = (140, 45)
+
+
+async def settle(pilot: Any, app: GradwatchApp, until: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, f"timed out; conn={app.state.conn} step={app.state.last_step}"
+        await pilot.pause(0.05)
+    # then until the screen shows everything the model holds (the view refreshes at 8 Hz)
+    while app._seen_version != app.state.version or app._view_dirty:
+        assert time.monotonic() < deadline, "the view did not catch up"
+        await pilot.pause(0.05)
+    await pilot.pause(0.2)
+
+
+def finished(app: GradwatchApp) -> Callable[[], bool]:
+    return lambda: app.state.conn is Conn.FINISHED
+
+
+def synthetic(**kw: Any) -> Callable[[], Source]:
+    args = dict(seed=0, layers=12, steps=120, nan_at=100, spike_at=50, rate=0)
+    args.update(kw)
+    return lambda: SyntheticSource(**args)
+
+
+class Scripted(Source):
+    """The first ``upto`` synthetic messages, then silence (the trainer hung or vanished)."""
+
+    label = "scripted"
+
+    def __init__(self, upto: int) -> None:
+        self.msgs = list(synthetic_messages(seed=1, layers=6, steps=None and 0 or 400))[:upto]
+
+    def run(self, emit: Callable[..., None], cancelled: Callable[[], bool]) -> None:
+        emit(self.msgs, {"conn": "LIVE", "reason": "", "rejected": {}, "received": len(self.msgs)})
+        while not cancelled():
+            time.sleep(0.02)
+
+
+def test_connection_states_follow_the_clock() -> None:
+    """LIVE while data flows, STALE after 3 s of silence, LOST after 10 s; the viewer never exits."""
+    now = [1000.0]
+
+    async def go() -> None:
+        app = make_app(lambda: Scripted(60), clock=lambda: now[0])
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, lambda: app.state.last_step is not None)
+            assert app.state.conn is Conn.LIVE
+            now[0] += 4
+            await pilot.pause(0.3)
+            assert app.state.conn is Conn.STALE
+            now[0] += 7
+            await pilot.pause(0.3)
+            assert app.state.conn is Conn.LOST
+            assert "LOST" in str(app.query_one("#status").render())
+            assert app.is_running
+    asyncio.run(go())
+
+
+def test_finished_run_keeps_its_data_and_alerts() -> None:
+    async def go() -> None:
+        app = make_app(synthetic())
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, finished(app))
+            assert app.state.last_step == 119
+            kinds = {a.kind for a in app.state.alerts}
+            assert {"nonfinite_loss", "nonfinite_grad", "nonfinite_input", "grad_norm_threshold"} <= kinds
+            plot = app.query_one("#plot-loss", SeriesPlot)
+            assert plot.nonfinite_count == 1  # the NaN loss is an explicit marker, not a crash
+            assert app.query_one("#table", HeatTable).row_count == 24
+            assert app.errors == 0
+    asyncio.run(go())
+
+
+def test_keys_sort_filter_log_modules_freeze_help_pause() -> None:
+    async def go() -> None:
+        app = make_app(synthetic())
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, finished(app))
+            table = app.query_one("#table", HeatTable)
+            first_anomaly = table._order[0]
+            await pilot.press("s")  # anomaly -> grad
+            await pilot.pause(0.3)
+            assert app.sort_key == "grad"
+            grads = [app.state.rows(sort="grad")[i].grad_norm for i in range(3)]
+            assert grads == sorted(grads, reverse=True)
+            await pilot.press("s", "s")  # -> nonfinite -> name
+            await pilot.pause(0.3)
+            assert app.sort_key == "name" and table._order != [] and first_anomaly in table._order
+            await pilot.press("slash", *"bias$", "enter")
+            await pilot.pause(0.3)
+            assert app.pattern == "bias$" and table.row_count == 12
+            await pilot.press("slash", *"[unclosed", "enter")  # an invalid regex is a literal, never a crash
+            await pilot.pause(0.3)
+            assert table.row_count == 0 and app.errors == 0
+            await pilot.press("escape")
+            await pilot.pause(0.3)
+            assert app.pattern == "" and table.row_count == 24
+            await pilot.press("l")
+            await pilot.pause(0.3)
+            assert app.log_scale and app.query_one("#plot-grad", SeriesPlot).log_scale
+            await pilot.press("m")
+            await pilot.pause(0.3)
+            assert app.by_module and table.row_count == len({p.module for p in app.state.schema.params})
+            await pilot.press("m", "space")
+            await pilot.pause(0.3)
+            assert app.frozen and "FROZEN" in str(app.query_one("#status").render())
+            await pilot.press("space", "question_mark")
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.press("escape", "P")
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, ConfirmScreen)
+            assert not app.screen.query("#yes")  # nothing to confirm: the trainer accepts no control yet
+            await pilot.press("escape")
+            await pilot.pause(0.1)
+            assert not isinstance(app.screen, ConfirmScreen)
+            await pilot.press("q")
+        assert not app.is_running
+    asyncio.run(go())
+
+
+def test_freeze_keeps_receiving_but_not_drawing() -> None:
+    async def go() -> None:
+        app = make_app(synthetic(steps=3000, rate=400, nan_at=None))
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, lambda: (app.state.last_step or 0) > 50)
+            await pilot.press("space")
+            await pilot.pause(0.2)
+            table = app.query_one("#table", HeatTable)
+            shown = str(table.get_cell_at((0, 1)))
+            step_before = app.state.last_step
+            await pilot.pause(1.0)
+            assert app.state.last_step > step_before  # data kept arriving
+            assert str(table.get_cell_at((0, 1))) == shown or app.sort_key != "anomaly"
+            frozen_plot = app.query_one("#plot-loss", SeriesPlot).plt
+            await pilot.press("space")
+            await pilot.pause(0.3)
+            assert not app.frozen and frozen_plot is not None
+    asyncio.run(go())
+
+
+def test_choosing_an_alert_jumps_to_its_layer_and_step() -> None:
+    async def go() -> None:
+        app = make_app(synthetic())
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, finished(app))
+            alerts = app.state.alerts
+            index = next(i for i, a in enumerate(alerts) if a.kind == "nonfinite_grad")
+            pane = app.query_one("#alerts")
+            pane.focus()
+            pane.highlighted = index
+            await pilot.press("enter")
+            await pilot.pause(0.4)
+            layer = alerts[index].layer
+            assert app.focus_step == 100
+            assert app.selected_layer == app.state.names.index(layer)
+            table = app.query_one("#table", HeatTable)
+            assert table.selected_index() == app.selected_layer
+            assert app.query_one("#plot-grad", SeriesPlot).title == f"grad norm: {layer}"
+            await pilot.press("escape")
+            await pilot.pause(0.3)
+            assert app.selected_layer is None and app.query_one("#plot-grad", SeriesPlot).title == "total grad norm"
+    asyncio.run(go())
+
+
+def test_selecting_a_row_plots_that_layer() -> None:
+    async def go() -> None:
+        app = make_app(synthetic())
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, finished(app))
+            table = app.query_one("#table", HeatTable)
+            table.focus()
+            await pilot.press("down", "enter")
+            await pilot.pause(0.3)
+            assert app.selected_layer == table.selected_index()
+            assert app.query_one("#plot-grad", SeriesPlot).title.startswith("grad norm: ")
+    asyncio.run(go())
+
+
+def test_reconnect_restarts_the_source() -> None:
+    made: list[Source] = []
+
+    def factory() -> Source:
+        src = Scripted(30)
+        made.append(src)
+        return src
+
+    async def go() -> None:
+        app = make_app(factory)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, lambda: app.state.last_step is not None)
+            await pilot.press("r")
+            await settle(pilot, app, lambda: len(made) == 2 and app.state.conn is Conn.LIVE)
+    asyncio.run(go())
+
+
+def test_picker_attaches_to_the_chosen_run() -> None:
+    class Run:
+        def __init__(self, name: str) -> None:
+            self.name, self.state, self.host, self.pid, self.started, self.run = name, "live", "h", 1, time.time(), name
+
+    chosen: list[str] = []
+
+    def pick(run: Any) -> Callable[[], Source]:
+        chosen.append(run.name)
+        return synthetic(steps=20, nan_at=None, spike_at=None)
+
+    async def go() -> None:
+        app = make_app(None, runs_to_pick=[Run("alpha"), Run("beta\x1b[31m")], pick=pick)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, PickerScreen)
+            await pilot.press("down", "enter")
+            await settle(pilot, app, finished(app))
+            assert chosen == ["beta\x1b[31m"] and app.state.last_step == 19
+    asyncio.run(go())
+
+
+def test_hostile_names_and_values_never_reach_the_terminal() -> None:
+    """Markup, OSC 52, bidi overrides, 4,096-char names, NaN/Inf/1e308/-0.0: the app lives, and the
+    rendered screen holds no escape byte and no interpreted markup from the payload."""
+    async def go() -> None:
+        app = make_app(synthetic(hostile_names=True))
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, finished(app))
+            for key in ("s", "m", "l", "m", "s"):
+                await pilot.press(key)
+                await pilot.pause(0.15)
+            svg = app.export_screenshot()
+            assert app.errors == 0 and app.is_running
+            i = svg.find("\x1b")
+            assert i < 0, svg[max(0, i - 300):i + 60]
+            assert "\u202e" not in svg and "\x9b" not in svg
+            assert "grad[/]norm" in svg.replace("&#160;", " ") or "grad[/]norm" in "".join(app.state.names)
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("size", [(100, 32), (160, 48)])
+def test_snapshot_main_screen(snap_compare: Any, size: tuple[int, int]) -> None:
+    """Layout at two terminal sizes (snapshots are committed; update them on purpose only)."""
+    app = make_app(synthetic())
+
+    async def wait(pilot: Any) -> None:
+        await settle(pilot, app, finished(app))
+
+    assert snap_compare(app, terminal_size=size, run_before=wait)
