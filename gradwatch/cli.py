@@ -181,7 +181,8 @@ def cmd_view(args: argparse.Namespace) -> int:
         spec_info = dataclasses.replace(find_run(spec), stream=endpoint, state="live")
         spec = str(spec_info.path) if spec_info.path else spec
     if spec is not None:
-        find_run(spec)  # a clear one-line error now, rather than a viewer waiting forever for a typo
+        if not getattr(args, "wait", False):
+            find_run(spec)  # a clear one-line error now, rather than a viewer waiting forever for a typo
         app = make_app(lambda: LiveSource(spec, record=recorder, endpoint=endpoint), read_only=args.read_only,
                        recording=recorder)
         return _run_viewer(app)
@@ -249,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     attach = sub.add_parser("attach", help="open the viewer on one run")
     attach.add_argument("run", help="run id, name, pid or connection file")
     attach.add_argument("--connect", metavar="ENDPOINT", help="read from this endpoint (e.g. an ssh-forwarded socket)")
+    attach.add_argument("--wait", action="store_true", help="wait for the run to appear instead of failing")
     attach.add_argument("--read-only", action="store_true", help="never send anything to the trainer")
     attach.add_argument("--no-record", action="store_true", help="do not record this session")
     replay = sub.add_parser("replay", help="show a recording in the viewer")

@@ -14,4 +14,9 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$stam
       "torch==2.13.0" -e "$root[test]" >&2
   echo "$stamp_want" > "$stamp_file"
 fi
+# tmux drives the end-to-end test of the viewer in a real terminal
+if ! command -v tmux >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -q tmux >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q tmux >/dev/null 2>&1; }) \
+    || echo "gradwatch: could not install tmux; its end-to-end test will be skipped" >&2
+fi
 export PATH="$venv/bin:$PATH"

@@ -1,0 +1,82 @@
+"""End to end in a real terminal: tmux runs the viewer beside a real demo trainer (nan-input).
+
+What a user sees: layer names, plots and the non-finite alert; killing the trainer turns the state
+to CRASHED (or LOST) while the viewer keeps running; a restarted trainer with the same name brings
+LIVE back; q quits.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import PY, ROOT, child_env
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (scripts/test installs it)")
+
+
+def _trainer(runtime: Path, name: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([PY, str(ROOT / "demo" / "train.py"), "nan-input", "--steps", "100000", "--nan-step", "20",
+                             "--pace", "0.05", "--quiet", "--name", name], env=child_env(runtime),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _capture(session: str) -> str:
+    return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+
+
+def _wait_for(session: str, ok: Callable[[str], bool], timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    screen = ""
+    while time.monotonic() < deadline:
+        screen = _capture(session)
+        if ok(screen):
+            return screen
+        time.sleep(0.25)
+    raise AssertionError(f"screen never matched; last screen:\n{screen}")
+
+
+def test_viewer_in_tmux_follows_a_real_trainer(runtime: Path) -> None:
+    name = f"e2e-{uuid.uuid4().hex[:6]}"
+    session = f"gw{uuid.uuid4().hex[:6]}"
+    env = child_env(runtime, GRADWATCH_RECORD_DIR=str(runtime / "rec"))
+    exports = " ".join(f"{k}={v!s}" for k, v in env.items() if k in ("GRADWATCH_RUNTIME_DIR", "PYTHONPATH",
+                                                                         "GRADWATCH_RECORD_DIR"))
+    viewer = f"env -u COLUMNS -u LINES {exports} {PY} -m gradwatch attach {name} --wait"
+    # a fixed 150x45 window, whatever size tmux would pick without a client attached
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "150", "-y", "45", "sleep 600"], check=True)
+    subprocess.run(["tmux", "set-option", "-t", session, "window-size", "manual"], check=True)
+    subprocess.run(["tmux", "resize-window", "-t", session, "-x", "150", "-y", "45"], check=True)
+    subprocess.run(["tmux", "respawn-pane", "-k", "-t", session, viewer], check=True)
+    trainer = _trainer(runtime, name)
+    try:
+        screen = _wait_for(session, lambda s: "nonfinite_input" in s and "LIVE" in s)
+        assert "0.weight" in screen and "3.bias" in screen  # layer names in the table
+        assert "loss" in screen and "total grad norm" in screen and "┤" in screen, screen  # plots with axes
+        assert "CRITICAL" in screen
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        screen = _wait_for(session, lambda s: "CRASHED" in s or "LOST" in s)
+        assert "nonfinite_input" in screen  # the data is kept
+        trainer = _trainer(runtime, name)
+        _wait_for(session, lambda s: " LIVE " in s and "CRASHED" not in s)
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            alive = subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode == 0
+            if not alive:
+                break
+            time.sleep(0.2)
+        assert not alive, "q did not quit the viewer"
+        assert list((runtime / "rec").glob("*.gwrec")), "the session was not recorded"
+    finally:
+        trainer.kill()
+        trainer.wait()
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
