@@ -131,3 +131,26 @@ def test_tail_connect_overrides_the_endpoint(runtime: Path) -> None:
     bad = gw_cli(runtime, "tail", "remote", "--connect", "http://x")
     assert bad.returncode == 1
     _one_line_error(bad)
+
+
+def test_export_and_replay_errors(runtime: Path) -> None:
+    fixture = Path(__file__).parent / "fixtures" / "explode.gwrec"
+    out = gw_cli(runtime, "export", str(fixture), "--format", "csv")
+    assert out.returncode == 0 and out.stdout.startswith("step,time,metric,layer,value\n")
+    assert ",loss,," in out.stdout and "nan" in out.stdout.lower()
+    js = gw_cli(runtime, "export", str(fixture), "--format", "jsonl")
+    import json
+
+    rows = [json.loads(line) for line in js.stdout.splitlines()]
+    assert any(r.get("loss") in ("NaN", "Infinity") for r in rows)
+    for args in (["export", str(Path(__file__)), "--format", "csv"], ["replay", "/nonexistent.gwrec"],
+                 ["export", str(fixture), "--format", "xml"]):
+        bad = gw_cli(runtime, *args)
+        assert bad.returncode in (1, 2)
+        _one_line_error(bad)
+
+
+def test_viewer_needs_a_terminal(runtime: Path) -> None:
+    out = gw_cli(runtime, "demo")
+    assert out.returncode == 1 and "needs a terminal" in out.stderr
+    _one_line_error(out)

@@ -265,3 +265,21 @@ def test_snapshot_main_screen(snap_compare: Any, size: tuple[int, int]) -> None:
         await settle(pilot, app, finished(app))
 
     assert snap_compare(app, terminal_size=size, run_before=wait)
+
+
+def test_replay_of_a_real_recording() -> None:
+    """The committed recording of a real explode run, through the same viewer: NaN alerts, FINISHED."""
+    from pathlib import Path
+
+    from gradwatch.tui.sources import ReplaySource
+
+    path = Path(__file__).parent / "fixtures" / "explode.gwrec"
+
+    async def go() -> None:
+        app = make_app(lambda: ReplaySource(path, speed=0), read_only=True)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, finished(app))
+            assert app.state.schema is not None and app.state.schema.name == "explode"
+            assert any(a.kind == "nonfinite_loss" for a in app.state.alerts)
+            assert app.query_one("#plot-loss", SeriesPlot).nonfinite_count >= 1
+    asyncio.run(go())

@@ -152,6 +152,7 @@ class Sender(threading.Thread):
                 if self._stop_flag:
                     break
             if self._final is not None and not self.failed:
+                self._final.step = self._last_step  # the queue is drained now: the true last step
                 try:
                     self._send(self._event_body(self._final), zmq)
                 except Exception:  # noqa: BLE001
