@@ -161,6 +161,8 @@ class GradwatchApp(App[None]):
     # ------------------------------------------------------------------ drawing
 
     def _refresh_view(self) -> None:
+        if self.recording is not None:
+            self.recording.flush()
         try:
             with self._lock:
                 changed = self.state.tick(self._clock())

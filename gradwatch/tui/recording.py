@@ -41,6 +41,15 @@ class SessionRecorder:
             self.error = f"{type(exc).__name__}: {exc}"
             self.display = f"(not recording: {self.error})"
 
+    def flush(self) -> None:
+        """Push buffered records to disk (the viewer calls this on its refresh timer, so the last
+        moments before a trainer dies are on disk even if no further message ever arrives)."""
+        if self._rec is not None and self.error is None:
+            try:
+                self._rec.flush()
+            except Exception:  # noqa: BLE001
+                pass
+
     def close(self) -> None:
         if self._rec is not None:
             try:
