@@ -1,7 +1,7 @@
 """Does the viewer keep up? Lag from step to screen, CPU, RSS and draws/s of the real Textual app.
 
-    .venv/bin/python bench/viewer.py                    # 100, 1,000 and 3,000 steps/s, 30 s each: ~3 min
-    .venv/bin/python bench/viewer.py --quick            # 1,000 steps/s for 10 s: ~30 s
+    .venv/bin/python bench/viewer.py                    # 100, 1,000 and 3,000 steps/s, 30 s each: ~2 min
+    .venv/bin/python bench/viewer.py --quick            # 1,000 steps/s for 10 s: ~35 s with the trainer probe
     .venv/bin/python bench/viewer.py --rates 1000 --seconds 20 --profile 10   # + cProfile of the viewer
 
 The requirement (issue): the UI refresh rate is fixed (~8 Hz) and independent of the step rate; a
@@ -22,7 +22,7 @@ Three processes per rate, so that none shares another's GIL or CPU accounting:
   spikes (the total-norm alert) and every 2x that one layer is NaN (the non-finite alert).
   ``Step.ts`` is the step's scheduled wall time ``t0 + k / rate``: lag includes the sender's 20 ms
   batching, exactly as for a real trainer. Why not ``gradwatch.watch()`` on a real model: the trainer
-  side tops out far below 1,000 steps/s with 1,000 tensors (``--trainer-probe`` measures it; ~40/s).
+  side tops out far below 1,000 steps/s with 1,000 tensors (the trainer probe measures it: ~45/s here).
 * **viewer** (``viewer.py _viewer``): the real app, ``make_app(lambda: LiveSource(run_id))``,
   headless under ``app.run_test(size=(160, 50))``. Only instrumented, never changed:
   a subclass records each ``_refresh_view`` that draws (time, ``state.last_step``, the time spent in
@@ -36,10 +36,13 @@ Three processes per rate, so that none shares another's GIL or CPU accounting:
   every 0.25 s, and reports.
 
 Reported per rate: lag to screen p50/p95/max over the draws that showed a live step; the viewer's CPU
-as a fraction of one core (median of 5 s windows, and overall) over the publishing window; RSS at the
-start of publishing, max and end, and "late growth" (end minus the RSS at mid-run: the rings are
-full from the start, because the history fills them); draws per second; steps received / published,
-the publisher's own dropped counts, and the viewer's ``app.state.counters``.
+as a fraction of one core (median of 5 s windows, and overall) over the publishing window; RSS
+"settled" (5 s into publishing, or a quarter of the run if shorter), max and end, and "late growth"
+(end minus the RSS at mid-run: the rings are full from the start, because the history fills them);
+draws per second; steps received / published, the publisher's own dropped counts, and the viewer's
+``app.state.counters``. The details below the table split the lag (receive / draw / screen), the CPU
+(UI thread, receiver thread, ZeroMQ I/O thread), the draw time (status, plots, table, alerts), and
+with ``--breakdown`` the UI time by widget part.
 
 Targets: lag p95 and max < 1 s, CPU (overall and 5 s median) < 0.5 core, late RSS growth < 4 MiB.
 JSON goes to ``bench/results/viewer.json`` (gitignored); ``--profile S`` adds cProfile top functions of
@@ -381,6 +384,7 @@ def viewer_main(argv: list[str]) -> int:
 
     import asyncio
     import cProfile
+    import inspect
     import collections
     import io
     import pstats
@@ -579,7 +583,11 @@ def viewer_main(argv: list[str]) -> int:
                 return
             rows = st.rows(sort=self.sort_key, pattern=self.pattern or None, by_module=self.by_module)[:TOP_ROWS]
             heats = {r.index: st.heat(r.index, HEAT_WIDTH, module=self.by_module) for r in rows}
-            self.query_one("#table", HeatTable).show(rows, heats)
+            table = self.query_one("#table", HeatTable)
+            if "keep" in inspect.signature(table.show).parameters:  # the app passes the selection since 63948c0+
+                table.show(rows, heats, keep=self.selected_layer)
+            else:
+                table.show(rows, heats)
 
         def _draw_alerts(self) -> None:
             self._timed("alerts_s", super()._draw_alerts)
@@ -932,7 +940,6 @@ def analyse(rate: float, seconds: float, start: dict[str, Any], end: dict[str, A
         slope = 60 * sum((s[0] - mt) * (s[2] - mr) for s in half) / den if den else math.nan
     published = end["published"]
     live_recv = v["live_steps"]
-    drops = end["steps_dropped_at_send"]
     # staleness: the screen kept showing step S until the next screen update; how old did it get?
     stale = []
     shown = [d for d in live if "t_screen" in d]
@@ -996,7 +1003,7 @@ def fmt_row(r: dict[str, Any]) -> str:
     tag = (" (cProfile on)" if r["profiled"] else "") + (f" [{r['variant']}]" if r["variant"] != "app" else "")
     return (f"| {int(r['rate']):,}{tag} ({r['achieved_rate']:.0f}) | {lag['p50']:.3f} / {lag['p95']:.3f} / {lag['max']:.3f} "
             f"**{ok(vd['lag'])}** | {cpu['median_5s']:.2f} / {cpu['overall']:.2f} (max 5 s {cpu['max_5s']:.2f}) "
-            f"**{ok(vd['cpu'])}** | {rss['start']:.1f} / {rss['max']:.1f} / {rss['end']:.1f}, late {rss['late_growth']:+.1f} "
+            f"**{ok(vd['cpu'])}** | {rss['settled']:.1f} / {rss['max']:.1f} / {rss['end']:.1f}, late {rss['late_growth']:+.1f} "
             f"**{ok(vd['rss'])}** | {r['draws_per_s']:.1f} | {r['received_live_steps']:,} / {r['published']:,}"
             f"{f' ({drops:,} dropped at send)' if drops else ''} |")
 
@@ -1101,7 +1108,7 @@ def main() -> int:
         results.append(r)
     print()
     print("| steps/s (achieved) | lag to screen p50 / p95 / max (s) | viewer CPU, cores: 5 s median / overall | "
-          "RSS MiB start / max / end | draws/s | live steps received / published |")
+          "RSS MiB settled / max / end, late growth | draws/s | live steps received / published |")
     print("|---|---|---|---|---|---|")
     for r in results:
         print(fmt_row(r))

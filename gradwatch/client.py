@@ -43,7 +43,8 @@ class Client:
         self._signer = protocol.Signer(info.key)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.SUB)
-        for opt, val in ((zmq.LINGER, 0), (zmq.RCVHWM, 20_000), (zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES),
+        # RCVHWM counts frames, and a frame batches ~20 steps: 1,000 frames is ~20,000 steps of backlog
+        for opt, val in ((zmq.LINGER, 0), (zmq.RCVHWM, 1000), (zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES),
                          (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000), (zmq.HEARTBEAT_IVL, 1000),
                          (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
             sock.setsockopt(opt, val)

@@ -27,7 +27,7 @@ async def settle(pilot: Any, app: GradwatchApp, until: Callable[[], bool], timeo
         assert time.monotonic() < deadline, f"timed out; conn={app.state.conn} step={app.state.last_step}"
         await pilot.pause(0.05)
     # then until the screen shows everything the model holds (the view refreshes at 8 Hz)
-    while app._seen_version != app.state.version or app._view_dirty:
+    while app._seen_version != app.state.version or app._view_dirty or app._plots_stale:
         assert time.monotonic() < deadline, "the view did not catch up"
         await pilot.pause(0.05)
     await pilot.pause(0.2)

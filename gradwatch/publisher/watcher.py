@@ -30,7 +30,7 @@ import torch
 from gradwatch import protocol, transport
 from gradwatch._warn import warn
 from gradwatch.publisher.probes import ActivationProbe, GradProbe, Parts, data_stats, hyper_of, module_tree, scalar_part
-from gradwatch.publisher.sender import Sender, SenderConfig
+from gradwatch.publisher.sender import BATCH_BYTES, Sender, SenderConfig
 
 MAX_CONSECUTIVE_ERRORS = 10
 #: With detail_every=None, detail steps are spaced to cost about this share of training time...
@@ -201,8 +201,10 @@ class Watcher:
                 warn(note)
             ctx = zmq.Context()
             sock = ctx.socket(zmq.XPUB)
-            est = max(1024, self._probe.n * 4 * 4 + 2048)
-            for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, max(16, min(1000, STALLED_VIEWER_BUDGET // est))),
+            # SNDHWM counts frames; a frame carries one drain's worth of steps (up to BATCH_BYTES), so
+            # size it for batched frames: a stalled viewer then costs at most ~STALLED_VIEWER_BUDGET.
+            frame = min(BATCH_BYTES, 32 * max(1024, self._probe.n * 4 * 4 + 2048))
+            for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, max(16, min(1000, STALLED_VIEWER_BUDGET // frame))),
                              (zmq.XPUB_VERBOSE, 1), (zmq.SNDTIMEO, 0), (zmq.MAXMSGSIZE, 4096),
                              (zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
                 sock.setsockopt(opt, val)

@@ -33,6 +33,10 @@ from gradwatch.tui.widgets.status import StatusBar, status_text
 
 SORTS = ("anomaly", "grad", "nonfinite", "name")
 HEAT_WIDTH = 24
+#: The UI thread may spend about this share of a core drawing; costlier frames space out the next ones.
+FRAME_BUDGET = 0.35
+#: Plots are redrawn at most this often (plotext is the most expensive part of a frame).
+PLOT_INTERVAL_S = 0.25
 
 PAUSE_NOT_YET = ("Pause the trainer into pdb?\n\nThis trainer does not accept control commands yet: "
                  "pause-into-pdb arrives with a later gradwatch release. Nothing was sent.")
@@ -87,6 +91,9 @@ class GradwatchApp(App[None]):
         self._clock = clock
         self._seen_version = -1
         self._view_dirty = True
+        self._next_frame = 0.0
+        self._next_plots = 0.0
+        self._plots_stale = False
         self.recording = recording
         self.errors = 0
 
@@ -161,74 +168,92 @@ class GradwatchApp(App[None]):
     # ------------------------------------------------------------------ drawing
 
     def _refresh_view(self) -> None:
+        """One frame. Copies what it needs from the model under the lock, then builds widgets without
+        it, so the receiving thread is never held up by drawing. Paced by its own cost: a frame that
+        took ``c`` seconds delays the next one to keep the UI thread under ~``FRAME_BUDGET`` of a core."""
         if self.recording is not None:
             self.recording.flush()
+        start = time.monotonic()
+        if start < self._next_frame and not self._view_dirty:
+            return
         try:
             with self._lock:
                 changed = self.state.tick(self._clock())
                 version = self.state.version
-                if not (changed or version != self._seen_version or self._view_dirty):
+                if not (changed or version != self._seen_version or self._view_dirty or self._plots_stale):
                     return
                 self._seen_version = version
-                self._draw_status()
-                if self.frozen and not self._view_dirty:
-                    return
-                self._view_dirty = False
-                with self.batch_update():
-                    self._draw_plots()
-                    self._draw_table()
-                    self._draw_alerts()
+                status = self._status_fields()
+                full = not self.frozen or self._view_dirty
+                force = self._view_dirty
+                if full:
+                    plots_due = force or start >= self._next_plots
+                    plots = self._plot_data() if plots_due else None
+                    self._plots_stale = not plots_due  # drawn on a later frame, even if no data comes
+                    table = self._table_data()
+                    alerts = list(self.state.alerts)
+            self.query_one("#status", StatusBar).update(status_text(**status))
+            if not full:
+                return
+            self._view_dirty = False
+            with self.batch_update():
+                if plots is not None:
+                    self._draw_plots(plots)
+                    self._next_plots = start + PLOT_INTERVAL_S
+                if table is not None:
+                    rows, heats = table
+                    self.query_one("#table", HeatTable).show(rows, heats.get, keep=self.selected_layer, force=force)
+                self.query_one("#alerts", AlertPane).show(alerts)
+                self.query_one("#alerts-title", Static).update(f"alerts ({len(alerts)})")
         except Exception as exc:  # noqa: BLE001 - a drawing bug must not kill the viewer: count and show it
             self.errors += 1
             if self.errors <= 3:
                 self.notify(f"display error: {type(exc).__name__}: {exc}"[:300], severity="error")
+        finally:
+            cost = time.monotonic() - start
+            self._next_frame = start + max(1 / self._refresh_hz, cost / FRAME_BUDGET)
 
-    def _draw_status(self) -> None:
+    def _status_fields(self) -> dict[str, Any]:
         st = self.state
         sc = st.schema
         rejected = sum(v for k, v in st.counters.items() if k.startswith("rejected_"))
         dropped = st.counters.get("dropped_queue", 0) + st.counters.get("dropped_send", 0)
-        self.query_one("#status", StatusBar).update(status_text(
-            conn=st.conn.value, name=sc.name if sc else None, run=sc.run if sc else None,
-            host=sc.host if sc else None, pid=sc.pid if sc else None, ranks=sc.world_size if sc else 1,
-            step=st.last_step, steps_per_s=st.steps_per_s, dropped=dropped, rejected=rejected, frozen=self.frozen,
-            paused=st.paused, reason=st.conn_reason, recording=getattr(self.recording, "display", None)))
+        return dict(conn=st.conn.value, name=sc.name if sc else None, run=sc.run if sc else None,
+                    host=sc.host if sc else None, pid=sc.pid if sc else None, ranks=sc.world_size if sc else 1,
+                    step=st.last_step, steps_per_s=st.steps_per_s, dropped=dropped, rejected=rejected,
+                    frozen=self.frozen, paused=st.paused, reason=st.conn_reason,
+                    recording=getattr(self.recording, "display", None))
 
-    def _draw_plots(self) -> None:
+    def _plot_data(self) -> dict[str, Any]:
         st = self.state
-        log = self.log_scale
-        steps, loss = st.series("loss")
-        self.query_one("#plot-loss", SeriesPlot).show(steps, loss, log=log)
-        grad = self.query_one("#plot-grad", SeriesPlot)
+        data: dict[str, Any] = {name: st.series(name) for name in ("loss", "total", "lr", "max_update")}
+        data["grad_title"] = "total grad norm"
         if self.selected_layer is not None and st.schema is not None:
             names = st.modules if self.by_module else st.names
-            name = names[self.selected_layer] if self.selected_layer < len(names) else "?"
-            steps, values = st.layer_series(self.selected_layer, module=self.by_module)
-            grad.show(steps, values, title=f"grad norm: {name}", log=log)
-        else:
-            steps, values = st.series("total")
-            grad.show(steps, values, title="total grad norm", log=log)
-        steps, lr = st.series("lr")
-        self.query_one("#plot-lr", SeriesPlot).show(steps, lr, log=log)
-        steps, up = st.series("max_update")
-        self.query_one("#plot-update", SeriesPlot).show(steps, up, log=log)
+            data["grad_title"] = f"grad norm: {names[self.selected_layer] if self.selected_layer < len(names) else '?'}"
+            data["total"] = st.layer_series(self.selected_layer, module=self.by_module)
+        return data
+
+    def _table_data(self) -> tuple[list[Any], dict[int, Any]] | None:
+        st = self.state
+        if st.schema is None:
+            return None
+        rows = st.rows(sort=self.sort_key, pattern=self.pattern or None, by_module=self.by_module)
+        table = self.query_one("#table", HeatTable)
+        lo, hi = table.visible_window()
+        wanted = rows[:hi - lo + 2] + rows[lo:hi]  # the first screen (for a re-sort) and what is on screen
+        return rows, {r.index: st.heat(r.index, HEAT_WIDTH, module=self.by_module) for r in wanted}
+
+    def _draw_plots(self, data: dict[str, Any]) -> None:
+        log = self.log_scale
+        self.query_one("#plot-loss", SeriesPlot).show(*data["loss"], log=log)
+        self.query_one("#plot-grad", SeriesPlot).show(*data["total"], title=data["grad_title"], log=log)
+        self.query_one("#plot-lr", SeriesPlot).show(*data["lr"], log=log)
+        self.query_one("#plot-update", SeriesPlot).show(*data["max_update"], log=log)
         if self.focus_step is not None:
             for plot in self.query(SeriesPlot):
                 plot.plt.vline(self.focus_step, "cyan")
                 plot.refresh()
-
-    def _draw_table(self) -> None:
-        st = self.state
-        if st.schema is None:
-            return
-        rows = st.rows(sort=self.sort_key, pattern=self.pattern or None, by_module=self.by_module)
-        table = self.query_one("#table", HeatTable)
-        heats = {r.index: st.heat(r.index, HEAT_WIDTH, module=self.by_module) for r in rows}
-        table.show(rows, heats)
-
-    def _draw_alerts(self) -> None:
-        self.query_one("#alerts", AlertPane).show(self.state.alerts)
-        self.query_one("#alerts-title", Static).update(f"alerts ({len(self.state.alerts)})")
 
     def _redraw(self) -> None:
         """View state changed (a key): draw on the next loop turn, not from inside a watcher."""

@@ -9,7 +9,8 @@ costs tens of ms, so the app calls :meth:`HeatTable.show` at most ~8 times a sec
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from rich.style import Style
@@ -18,25 +19,38 @@ from textual.widgets import DataTable
 
 from gradwatch.text import num
 
-COLUMNS = (("name", "layer"), ("grad", "grad norm"), ("heat", "recent steps (vs own median)"),
-           ("weight", "weight norm"), ("update", "update ratio"), ("nf", "non-finite"))
+COLUMNS = (("name", "layer", 30), ("grad", "grad norm", 10), ("heat", "recent steps (vs own median)", 28),
+           ("weight", "weight norm", 11), ("update", "update ratio", 12), ("nf", "non-finite", 10))
+#: Rows re-sorted at most this often (unless the user asks): a full rebuild of 1,000 rows is expensive.
+RESORT_S = 2.0
+
+
+def _palette() -> list[Style]:
+    out = []
+    for i in range(41):
+        c = i / 20 - 1.0
+        if c >= 0:
+            r, g, b = 120 + int(135 * c), 120 - int(100 * c), 120 - int(100 * c)
+        else:
+            r, g, b = 120 + int(100 * c), 120 + int(40 * c), 120 - int(135 * c)
+        out.append(Style(color=f"rgb({r},{g},{b})"))
+    return out
+
+
+_PALETTE = _palette()  # one Style per colour, shared: building Styles per cell cost ~100 ms a frame
+_BAD = Style(color="white", bgcolor="red", bold=True)
 
 
 def heat_strip(values: np.ndarray) -> Text:
     """One cell per step: blue (10x below its median) - grey - red (10x above); ! for non-finite."""
     t = Text(no_wrap=True)
-    for v in values:
-        if math.isnan(v):
+    for v in values.tolist():
+        if v != v:
             t.append(" ")
-        elif math.isinf(v):
-            t.append("!", style=Style(color="white", bgcolor="red", bold=True))
+        elif v in (math.inf, -math.inf):
+            t.append("!", style=_BAD)
         else:
-            c = max(-1.0, min(1.0, float(v)))
-            if c >= 0:
-                r, g, b = 120 + int(135 * c), 120 - int(100 * c), 120 - int(100 * c)
-            else:
-                r, g, b = 120 + int(100 * c), 120 + int(40 * c), 120 - int(135 * c)
-            t.append("\u2588", style=Style(color=f"rgb({r},{g},{b})"))
+            t.append("\u2588", style=_PALETTE[int(round((max(-1.0, min(1.0, v)) + 1.0) * 20))])
     return t
 
 
@@ -58,26 +72,48 @@ class HeatTable(DataTable[Any]):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, cursor_type="row", zebra_stripes=True)
         self._order: list[str] = []
+        self._sorted_at = 0.0
 
     def on_mount(self) -> None:
-        for key, label in COLUMNS:
-            self.add_column(label, key=key)
+        for key, label, width in COLUMNS:  # fixed widths: nothing to measure on every rebuild
+            self.add_column(label, key=key, width=width)
 
-    def show(self, rows: Sequence[Any], heats: dict[int, np.ndarray]) -> None:
-        """Show ``rows`` (in this order); rebuild only if the order changed, else update cells in place."""
-        order = [str(r.index) for r in rows]
-        cells = {str(r.index): self._cells(r, heats.get(r.index)) for r in rows}
-        if order != self._order:
-            selected = self._selected_key()
+    def visible_window(self) -> tuple[int, int]:
+        """The row range on screen now (plus a margin), the only rows whose cells are refreshed."""
+        top = int(self.scroll_offset.y)
+        height = max(1, self.size.height)
+        return max(0, top - 2), top + height + 2
+
+    def show(self, rows: Sequence[Any], heat: Callable[[int], np.ndarray], keep: int | None = None,
+             force: bool = False) -> None:
+        """Show ``rows``. The order is re-applied (a rebuild) when the row set changes, when ``force``
+        (the user changed sort, filter or grouping) or at most every RESORT_S; otherwise only the cells
+        of the rows on screen are updated in place, so a frame costs the same for 20 or 2,000 layers.
+
+        ``keep``: the layer the user selected; the cursor follows it when rows move. Without a
+        selection the cursor stays on the top row (the most anomalous one with the default sort).
+        """
+        now = time.monotonic()
+        by_key = {str(r.index): r for r in rows}
+        order = list(by_key)
+        same_set = len(order) == len(self._order) and set(order) == set(self._order)
+        if order != self._order and (force or not same_set or now - self._sorted_at >= RESORT_S):
+            lo, hi = 0, self.size.height + 2
             self.clear()
-            for key in order:
-                self.add_row(*cells[key], key=key)
+            for i, key in enumerate(order):
+                row = by_key[key]
+                self.add_row(*self._cells(row, heat(row.index) if lo <= i < hi else None), key=key)
             self._order = order
-            if selected in order:
-                self.move_cursor(row=order.index(selected), animate=False)
+            self._sorted_at = now
+            if keep is not None and str(keep) in order:
+                self.move_cursor(row=order.index(str(keep)), animate=False)
             return
-        for key in order:
-            for (col, _), value in zip(COLUMNS, cells[key]):
+        lo, hi = self.visible_window()
+        for key in self._order[lo:hi]:
+            row = by_key.get(key)
+            if row is None:
+                continue
+            for (col, _, _), value in zip(COLUMNS, self._cells(row, heat(row.index))):
                 self.update_cell(key, col, value)
 
     def _selected_key(self) -> str | None:
