@@ -514,83 +514,29 @@ def viewer_main(argv: list[str]) -> int:
             self._lock = TimedLock(self._lock)  # type: ignore[assignment]
 
         def _refresh_view(self) -> None:
+            """A draw is a frame that showed new data (the app's _seen_version moved)."""
             maybe_profile("ui")
             p0 = time.perf_counter()
             c0 = time.thread_time()
+            before = self._seen_version
             self._bench_drew = None
             super()._refresh_view()
-            d = self._bench_drew
-            if d is not None:
+            if self._seen_version != before:
+                step = self.state.last_step
+                d = {"t": time.time(), "step": step, "ts": ts_of.get(step) if step is not None else None,
+                     "status_s": 0.0, "plots_s": getattr(self, "_bench_plots_s", 0.0), "table_s": 0.0,
+                     "alerts_s": 0.0}
+                self._bench_plots_s = 0.0
                 d["total_s"] = time.perf_counter() - p0
                 d["cpu_s"] = time.thread_time() - c0
                 d["t_end"] = time.time()
                 rec["draws"].append(d)
                 self._bench_pending.append(d)
 
-        def _timed(self, name: str, fn: Any) -> None:
+        def _draw_plots(self, data: Any) -> None:
             p0 = time.perf_counter()
-            try:
-                fn()
-            finally:
-                if self._bench_drew is not None:
-                    self._bench_drew[name] = time.perf_counter() - p0
-
-        def _draw_status(self) -> None:
-            p0 = time.perf_counter()
-            super()._draw_status()
-            self._bench_status_s = time.perf_counter() - p0
-
-        def _draw_plots(self) -> None:
-            step = self.state.last_step
-            self._bench_drew = {"t": time.time(), "step": step, "ts": ts_of.get(step) if step is not None else None,
-                                "status_s": getattr(self, "_bench_status_s", 0.0)}
-            if args.variant == "lean":
-                now = time.monotonic()
-                if now - getattr(self, "_bench_last_plots", 0.0) >= 1 / LEAN_PLOT_HZ:
-                    self._bench_last_plots = now
-                    self._timed("plots_s", self._draw_plots_decimated)
-            elif args.variant != "no-plots":
-                self._timed("plots_s", super()._draw_plots)
-
-        def _draw_plots_decimated(self) -> None:
-            """Experiment: the app's _draw_plots (total-norm case) with every series decimated to the plot's width."""
-            from gradwatch.tui.widgets.plots import SeriesPlot
-
-            st = self.state
-            for wid, name in (("#plot-loss", "loss"), ("#plot-grad", "total"), ("#plot-lr", "lr"),
-                              ("#plot-update", "max_update")):
-                plot = self.query_one(wid, SeriesPlot)
-                steps, values = st.series(name)
-                steps, values = decimate(steps, values, 4 * max(10, plot.size.width))
-                plot.show(steps, values, log=self.log_scale)
-
-        def _draw_table(self) -> None:
-            if args.variant == "no-table":
-                return
-            if args.variant in ("top-rows", "lean"):
-                self._timed("table_s", self._draw_table_top)
-                return
-            self._timed("table_s", super()._draw_table)
-
-        def _draw_table_top(self) -> None:
-            """Experiment: the app's _draw_table, but only the first TOP_ROWS rows of the sorted list
-            (about what a table that renders only its visible window would cost)."""
-            from gradwatch.tui.app import HEAT_WIDTH
-            from gradwatch.tui.widgets.heat_table import HeatTable
-
-            st = self.state
-            if st.schema is None:
-                return
-            rows = st.rows(sort=self.sort_key, pattern=self.pattern or None, by_module=self.by_module)[:TOP_ROWS]
-            heats = {r.index: st.heat(r.index, HEAT_WIDTH, module=self.by_module) for r in rows}
-            table = self.query_one("#table", HeatTable)
-            if "keep" in inspect.signature(table.show).parameters:  # the app passes the selection since 63948c0+
-                table.show(rows, heats, keep=self.selected_layer)
-            else:
-                table.show(rows, heats)
-
-        def _draw_alerts(self) -> None:
-            self._timed("alerts_s", super()._draw_alerts)
+            super()._draw_plots(data)
+            self._bench_plots_s = time.perf_counter() - p0
 
         def _display(self, screen: Any, renderable: Any) -> None:
             p0 = time.perf_counter()
