@@ -60,34 +60,18 @@ class Client:
         self.rejected: Counter[str] = Counter()
         self.received = 0
         self.last_heartbeat: Heartbeat | None = None
-        self._seen: set[int] = set()
-        self._seen_order: deque[int] = deque()
+        self._seen = protocol.Seen(_SEEN_MAX)
         self._early: deque[Message] = deque(maxlen=4096)  # messages that arrived before the schema
         self._ready: deque[Message] = deque()
 
     # ------------------------------------------------------------------ receiving
 
-    def _fresh(self, seq: int) -> bool:
-        if seq in self._seen:
-            return False
-        self._seen.add(seq)
-        self._seen_order.append(seq)
-        if len(self._seen_order) > _SEEN_MAX:
-            self._seen.discard(self._seen_order.popleft())
-        return True
+    def _fresh(self, key: Any) -> bool:
+        return self._seen.fresh(key)
 
     def _check_step(self, s: Step) -> None:
-        sc = self.schema
-        assert sc is not None
-        if s.run != sc.run:
-            raise DecodeError("invalid", "step of another run")
-        if len(s.grad_norm) != sc.n:
-            raise DecodeError("invalid", f"step has {len(s.grad_norm)} parameters, schema {sc.n}")
-        nmod = len(sc.modules)
-        if s.act is not None and any(m >= nmod for m in s.act.modules):
-            raise DecodeError("invalid", "activation module index out of range")
-        if s.first_nonfinite_module is not None and s.first_nonfinite_module >= nmod:
-            raise DecodeError("invalid", "module index out of range")
+        assert self.schema is not None
+        protocol.check_step(self.schema, s)
 
     def _accept(self, msg: Message) -> None:
         """Route one verified message: schema first, then steps/events checked against it."""

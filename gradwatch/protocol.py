@@ -758,3 +758,37 @@ def decode_body(body: bytes) -> Message:
 def history_body(run: str, seq: int, ts: float, packed_steps: list[bytes], packed_events: list[bytes]) -> bytes:
     """A history message built from already packed step/event bodies (the sender keeps them packed)."""
     return _pack({"k": "history", "run": run, "seq": seq, "ts": ts, "steps": packed_steps, "events": packed_events})
+
+
+def check_step(schema: Schema, s: Step) -> None:
+    """Validate a step against its run's schema (array lengths, module indices); raises DecodeError."""
+    if s.run != schema.run:
+        raise DecodeError("invalid", "step of another run")
+    if len(s.grad_norm) != schema.n:
+        raise DecodeError("invalid", f"step has {len(s.grad_norm)} parameters, schema {schema.n}")
+    nmod = len(schema.modules)
+    if s.act is not None and any(m >= nmod for m in s.act.modules):
+        raise DecodeError("invalid", "activation module index out of range")
+    if s.first_nonfinite_module is not None and s.first_nonfinite_module >= nmod:
+        raise DecodeError("invalid", "module index out of range")
+
+
+class Seen:
+    """A bounded set of message keys, to drop the duplicates a history replay brings."""
+
+    def __init__(self, limit: int = 50_000) -> None:
+        from collections import deque
+
+        self._keys: set[Any] = set()
+        self._order: Any = deque()
+        self._limit = limit
+
+    def fresh(self, key: Any) -> bool:
+        """True the first time ``key`` is seen (within the last ``limit`` keys)."""
+        if key in self._keys:
+            return False
+        self._keys.add(key)
+        self._order.append(key)
+        if len(self._order) > self._limit:
+            self._keys.discard(self._order.popleft())
+        return True

@@ -52,7 +52,7 @@ import stat
 import struct
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
@@ -575,8 +575,7 @@ class RecordingReader:
         self.schema = None
         self.records = 0
         self.offset = 0
-        self._seen: set[tuple[str, int]] = set()
-        self._seen_order: deque[tuple[str, int]] = deque()
+        self._seen = protocol.Seen(_SEEN_MAX)
         fd = _open_regular(self.path)
         try:
             while True:
@@ -611,27 +610,12 @@ class RecordingReader:
 
     # ------------------------------------------------------------------ validation
 
-    def _fresh(self, key: tuple[str, int]) -> bool:
-        if key in self._seen:
-            return False
-        self._seen.add(key)
-        self._seen_order.append(key)
-        if len(self._seen_order) > _SEEN_MAX:
-            self._seen.discard(self._seen_order.popleft())
-        return True
+    def _fresh(self, key: Any) -> bool:
+        return self._seen.fresh(key)
 
     def _check_step(self, s: Step) -> None:
-        sc = self.schema
-        assert sc is not None
-        if s.run != sc.run:
-            raise DecodeError("invalid", "step of another run")
-        if len(s.grad_norm) != sc.n:
-            raise DecodeError("invalid", f"step has {len(s.grad_norm)} parameters, schema {sc.n}")
-        nmod = len(sc.modules)
-        if s.act is not None and any(m >= nmod for m in s.act.modules):
-            raise DecodeError("invalid", "activation module index out of range")
-        if s.first_nonfinite_module is not None and s.first_nonfinite_module >= nmod:
-            raise DecodeError("invalid", "module index out of range")
+        assert self.schema is not None
+        protocol.check_step(self.schema, s)
 
     def _deliver(self, t: float, body: bytes) -> Iterator[tuple[float, Message]]:
         if len(body) > protocol.MAX_FRAME_BYTES:
