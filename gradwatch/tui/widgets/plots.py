@@ -12,6 +12,8 @@ import math
 import numpy as np
 from textual_plotext import PlotextPlot
 
+from gradwatch.text import num
+
 
 def split_finite(steps: np.ndarray, values: np.ndarray, log: bool) -> tuple[list[float], list[float], list[float]]:
     """(x, y) of the drawable points and the x of the non-finite ones. On a log scale, values <= 0
@@ -77,6 +79,10 @@ class SeriesPlot(PlotextPlot):
             plt.yscale("log")
         if y:
             plt.plot(x, y, marker="braille")
+            lo, hi = min(y), max(y)
+            if hi > lo:  # compact tick labels: plotext would print 3657982826634018816.0
+                ticks = (np.geomspace(lo, hi, 4) if self.log_scale and lo > 0 else np.linspace(lo, hi, 4)).tolist()
+                plt.yticks(ticks, [num(t, 3) for t in ticks])
         for b in bad[-50:]:  # each non-finite step: a red marker line
             plt.vline(b, "red")
         if not y and not bad:
