@@ -21,11 +21,15 @@ from gradwatch.tui.widgets.plots import SeriesPlot
 SIZE = (140, 45)
 
 
-async def settle(pilot: Any, app: GradwatchApp, until: Callable[[], bool], timeout: float = 10.0) -> None:
+async def settle(pilot: Any, app: GradwatchApp, until: Callable[[], bool], timeout: float = 10.0,
+                 catch_up: bool = True) -> None:
     deadline = time.monotonic() + timeout
     while not until():
         assert time.monotonic() < deadline, f"timed out; conn={app.state.conn} step={app.state.last_step}"
         await pilot.pause(0.05)
+    if not catch_up:  # an endless stream: the view is never exactly up to date
+        await pilot.pause(0.3)
+        return
     # then until the screen shows everything the model holds (the view refreshes at 8 Hz)
     while app._seen_version != app.state.version or app._view_dirty or app._plots_stale:
         assert time.monotonic() < deadline, "the view did not catch up"
@@ -144,7 +148,7 @@ def test_freeze_keeps_receiving_but_not_drawing() -> None:
     async def go() -> None:
         app = make_app(synthetic(steps=None, rate=400, nan_at=None))  # endless: data keeps coming
         async with app.run_test(size=SIZE) as pilot:
-            await settle(pilot, app, lambda: (app.state.last_step or 0) > 50)
+            await settle(pilot, app, lambda: (app.state.last_step or 0) > 50, catch_up=False)
             await pilot.press("space")
             while app._view_dirty:  # the one redraw that shows the frozen moment
                 await pilot.pause(0.05)
@@ -284,4 +288,30 @@ def test_replay_of_a_real_recording() -> None:
             assert app.state.schema is not None and app.state.schema.name == "explode"
             assert any(a.kind == "nonfinite_loss" for a in app.state.alerts)
             assert app.query_one("#plot-loss", SeriesPlot).nonfinite_count >= 1
+    asyncio.run(go())
+
+
+def test_waiting_screen_until_a_run_appears() -> None:
+    """No run yet: a waiting screen that says what to do; it attaches as soon as data arrives."""
+    class Late(Source):
+        label = "late"
+
+        def run(self, emit: Callable[..., None], cancelled: Callable[[], bool]) -> None:
+            emit([], {"conn": "WAITING", "reason": "no gradwatch runs found", "rejected": {}, "received": 0})
+            t0 = time.monotonic()
+            while not cancelled() and time.monotonic() - t0 < 1.0:
+                time.sleep(0.02)
+            msgs = list(synthetic_messages(seed=2, layers=3, steps=10))
+            emit(msgs, {"conn": "LIVE", "reason": "", "rejected": {}, "received": len(msgs)})
+            while not cancelled():
+                time.sleep(0.02)
+
+    async def go() -> None:
+        app = make_app(lambda: Late())
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.4)
+            assert app.query_one("#waiting").display and not app.query_one("#plots").display
+            assert "WAITING" in str(app.query_one("#status").render())
+            await settle(pilot, app, finished(app))
+            assert not app.query_one("#waiting").display and app.query_one("#plots").display
     asyncio.run(go())

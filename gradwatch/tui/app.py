@@ -38,6 +38,14 @@ FRAME_BUDGET = 0.35
 #: Plots are redrawn at most this often (plotext is the most expensive part of a frame).
 PLOT_INTERVAL_S = 0.25
 
+WAITING_TEXT = (
+    "No run to show yet: this screen attaches as soon as one starts.\n\n"
+    "In your training script:\n"
+    "    import gradwatch\n"
+    "    gw = gradwatch.watch(model, optimizer)\n"
+    "    ...  loss.backward(); gw.step(loss); optimizer.step()\n\n"
+    "Or try it now: gradwatch demo (synthetic), ./scripts/demo (a real trainer)."
+)
 PAUSE_NOT_YET = ("Pause the trainer into pdb?\n\nThis trainer does not accept control commands yet: "
                  "pause-into-pdb arrives with a later gradwatch release. Nothing was sent.")
 PAUSE_READ_ONLY = "This viewer is read-only (--read-only): it never sends anything to the trainer."
@@ -103,6 +111,7 @@ class GradwatchApp(App[None]):
         yield StatusBar(id="status")
         with Horizontal(id="main"):
             with Vertical(id="left"):
+                yield Static(WAITING_TEXT, id="waiting", markup=False)
                 with Grid(id="plots"):
                     yield SeriesPlot("loss", id="plot-loss")
                     yield SeriesPlot("total grad norm", id="plot-grad")
@@ -193,6 +202,10 @@ class GradwatchApp(App[None]):
                     table = self._table_data()
                     alerts = list(self.state.alerts)
             self.query_one("#status", StatusBar).update(status_text(**status))
+            waiting = status["name"] is None
+            if self.query_one("#waiting").display != waiting or self.query_one("#plots").display == waiting:
+                self.query_one("#waiting").display = waiting
+                self.query_one("#plots").display = not waiting
             if not full:
                 return
             self._view_dirty = False
