@@ -102,6 +102,7 @@ class GradwatchApp(App[None]):
         self._next_frame = 0.0
         self._next_plots = 0.0
         self._plots_stale = False
+        self._table_stale = False
         self.recording = recording
         self.errors = 0
 
@@ -189,7 +190,8 @@ class GradwatchApp(App[None]):
             with self._lock:
                 changed = self.state.tick(self._clock())
                 version = self.state.version
-                if not (changed or version != self._seen_version or self._view_dirty or self._plots_stale):
+                if not (changed or version != self._seen_version or self._view_dirty or self._plots_stale
+                        or self._table_stale):
                     return
                 self._seen_version = version
                 status = self._status_fields()
@@ -215,7 +217,8 @@ class GradwatchApp(App[None]):
                     self._next_plots = start + PLOT_INTERVAL_S
                 if table is not None:
                     rows, heats = table
-                    self.query_one("#table", HeatTable).show(rows, heats.get, keep=self.selected_layer, force=force)
+                    self._table_stale = self.query_one("#table", HeatTable).show(
+                        rows, heats.get, keep=self.selected_layer, force=force)
                 self.query_one("#alerts", AlertPane).show(alerts)
                 self.query_one("#alerts-title", Static).update(f"alerts ({len(alerts)})")
         except Exception as exc:  # noqa: BLE001 - a drawing bug must not kill the viewer: count and show it

@@ -85,13 +85,14 @@ class HeatTable(DataTable[Any]):
         return max(0, top - 2), top + height + 2
 
     def show(self, rows: Sequence[Any], heat: Callable[[int], np.ndarray], keep: int | None = None,
-             force: bool = False) -> None:
+             force: bool = False) -> bool:
         """Show ``rows``. The order is re-applied (a rebuild) when the row set changes, when ``force``
         (the user changed sort, filter or grouping) or at most every RESORT_S; otherwise only the cells
         of the rows on screen are updated in place, so a frame costs the same for 20 or 2,000 layers.
 
         ``keep``: the layer the user selected; the cursor follows it when rows move. Without a
         selection the cursor stays on the top row (the most anomalous one with the default sort).
+        Returns True while a re-sort is pending (the caller should come back even if no data arrives).
         """
         now = time.monotonic()
         by_key = {str(r.index): r for r in rows}
@@ -107,7 +108,7 @@ class HeatTable(DataTable[Any]):
             self._sorted_at = now
             if keep is not None and str(keep) in order:
                 self.move_cursor(row=order.index(str(keep)), animate=False)
-            return
+            return False
         lo, hi = self.visible_window()
         for key in self._order[lo:hi]:
             row = by_key.get(key)
@@ -115,6 +116,7 @@ class HeatTable(DataTable[Any]):
                 continue
             for (col, _, _), value in zip(COLUMNS, self._cells(row, heat(row.index))):
                 self.update_cell(key, col, value)
+        return order != self._order
 
     def _selected_key(self) -> str | None:
         if not self._order or self.cursor_row < 0 or self.cursor_row >= len(self._order):

@@ -15,6 +15,11 @@ from textual_plotext import PlotextPlot
 from gradwatch.text import num
 
 
+#: Each series is reduced to at most 2 points per bucket (min and max): about a wide terminal's
+#: braille resolution, and 5-10x fewer points than a 2,000-step history for plotext to draw.
+PLOT_BUCKETS = 160
+
+
 def split_finite(steps: np.ndarray, values: np.ndarray, log: bool) -> tuple[list[float], list[float], list[float]]:
     """(x, y) of the drawable points and the x of the non-finite ones. On a log scale, values <= 0
     cannot be drawn either; they are dropped (not marked: zero is a legitimate gradient norm)."""
@@ -71,7 +76,7 @@ class SeriesPlot(PlotextPlot):
         plt.clear_data()
         plt.clear_figure()
         x, y, bad = split_finite(steps, values, self.log_scale)
-        x, y = downsample(x, y, max(8, self.size.width - 10))
+        x, y = downsample(x, y, PLOT_BUCKETS)  # fixed, not the widget width: the same data draws the same
         self.nonfinite_count = len(bad)
         suffix = f"  [{len(bad)} non-finite]" if bad else ""
         plt.title(f"{self.title}{' (log)' if self.log_scale else ''}{suffix}")
