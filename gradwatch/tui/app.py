@@ -35,8 +35,10 @@ SORTS = ("anomaly", "grad", "nonfinite", "name")
 HEAT_WIDTH = 24
 #: The UI thread may spend about this share of a core drawing; costlier frames space out the next ones.
 FRAME_BUDGET = 0.35
-#: Plots are redrawn at most this often (plotext is the most expensive part of a frame).
-PLOT_INTERVAL_S = 0.25
+#: ...and the UI thread as a whole (frames plus Textual's rendering) about this share of a core.
+UI_CPU_BUDGET = 0.4
+#: Plots are redrawn at most this often (plotext is the most expensive part of a frame: ~20 ms a plot).
+PLOT_INTERVAL_S = 0.5
 
 WAITING_TEXT = (
     "No run to show yet: this screen attaches as soon as one starts.\n\n"
@@ -103,6 +105,8 @@ class GradwatchApp(App[None]):
         self._next_plots = 0.0
         self._plots_stale = False
         self._table_stale = False
+        self._cpu_mark: tuple[float, float] | None = None
+        self._cpu_share: float | None = None
         self.recording = recording
         self.errors = 0
 
@@ -214,7 +218,7 @@ class GradwatchApp(App[None]):
             with self.batch_update():
                 if plots is not None:
                     self._draw_plots(plots)
-                    self._next_plots = start + PLOT_INTERVAL_S
+                    self._next_plots = start + PLOT_INTERVAL_S * max(1.0, (self._cpu_share or 0.0) / UI_CPU_BUDGET)
                 if table is not None:
                     rows, heats = table
                     self._table_stale = self.query_one("#table", HeatTable).show(
@@ -227,7 +231,15 @@ class GradwatchApp(App[None]):
                 self.notify(f"display error: {type(exc).__name__}: {exc}"[:300], severity="error")
         finally:
             cost = time.monotonic() - start
-            self._next_frame = start + max(1 / self._refresh_hz, cost / FRAME_BUDGET)
+            # The UI thread's CPU share since the last frame includes Textual composing the screen,
+            # which our own frame cost does not see: stretch the interval when it runs above budget.
+            cpu = time.thread_time()
+            if self._cpu_mark is not None and start > self._cpu_mark[1]:
+                share = (cpu - self._cpu_mark[0]) / (start - self._cpu_mark[1])
+                self._cpu_share = share if self._cpu_share is None else 0.7 * self._cpu_share + 0.3 * share
+            self._cpu_mark = (cpu, time.monotonic())
+            stretch = max(1.0, (self._cpu_share or 0.0) / UI_CPU_BUDGET)
+            self._next_frame = start + max(stretch / self._refresh_hz, cost / FRAME_BUDGET)
 
     def _status_fields(self) -> dict[str, Any]:
         st = self.state
