@@ -188,11 +188,12 @@ class GradwatchApp(App[None]):
         if self.recording is not None:
             self.recording.flush()
         start = time.monotonic()
-        if start < self._next_frame and not self._view_dirty:
+        with self._lock:  # the connection state ages on every tick, whatever the frame pacing
+            changed = self.state.tick(self._clock())
+        if start < self._next_frame and not self._view_dirty and not changed:
             return
         try:
             with self._lock:
-                changed = self.state.tick(self._clock())
                 version = self.state.version
                 if not (changed or version != self._seen_version or self._view_dirty or self._plots_stale
                         or self._table_stale):
