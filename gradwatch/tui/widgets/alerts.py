@@ -36,7 +36,7 @@ class AlertPane(OptionList):
     """Selecting an alert posts :class:`AlertPane.AlertChosen` (the app jumps table and plots)."""
 
     DEFAULT_CSS = """
-    AlertPane { height: 1fr; }
+    AlertPane { height: 1fr; scrollbar-gutter: stable; }
     """
 
     class AlertChosen(Message):
@@ -51,7 +51,8 @@ class AlertPane(OptionList):
     def show(self, alerts: Sequence[Any]) -> None:
         if [id(a) for a in alerts] == [id(a) for a in self._alerts]:
             return
-        highlighted = self.highlighted
+        # keep the user's place only while they are in the pane; otherwise show the newest at the top
+        highlighted = self.highlighted if self.has_focus else None
         self._alerts = list(alerts)
         self.clear_options()
         if not alerts:

@@ -66,7 +66,7 @@ class HeatTable(DataTable[Any]):
     """Rows are layers (or modules); the app feeds it ``Row`` objects and heat arrays."""
 
     DEFAULT_CSS = """
-    HeatTable { height: 1fr; }
+    HeatTable { height: 1fr; scrollbar-gutter: stable; }
     """
 
     def __init__(self, *, id: str | None = None) -> None:
