@@ -127,8 +127,6 @@ def cmd_tail(args: argparse.Namespace) -> int:
                 continue
             last_seen = now
             if isinstance(msg, Step):
-                if args.history is False and msg.ts < client.info.started:  # pragma: no cover - defensive
-                    continue
                 print(format_step(msg, schema), file=out, flush=True)
                 steps += 1
                 if args.count and steps >= args.count:
@@ -243,7 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--connect", metavar="ENDPOINT",
                       help="read from this endpoint instead of the one in the connection file (e.g. a socket forwarded with ssh -L)")
     tail.add_argument("--heartbeats", action="store_true", help="also print heartbeats with the sender's counters")
-    tail.set_defaults(history=True)
     for parser in (p,):
         parser.add_argument("--read-only", action="store_true", help="never send anything to the trainer")
         parser.add_argument("--no-record", action="store_true", help="do not record this session")
