@@ -226,6 +226,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _viewer_flags(parser: argparse.ArgumentParser) -> None:
+    """The options every viewer command takes (the bare `gradwatch` and `gradwatch attach`)."""
+    parser.add_argument("--read-only", action="store_true", help="never send anything to the trainer")
+    parser.add_argument("--no-record", action="store_true", help="do not record this session")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gradwatch", description="Live gradient telemetry for PyTorch training.")
     p.add_argument("--version", action="version", version=f"gradwatch {__version__}")
@@ -241,15 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--connect", metavar="ENDPOINT",
                       help="read from this endpoint instead of the one in the connection file (e.g. a socket forwarded with ssh -L)")
     tail.add_argument("--heartbeats", action="store_true", help="also print heartbeats with the sender's counters")
-    for parser in (p,):
-        parser.add_argument("--read-only", action="store_true", help="never send anything to the trainer")
-        parser.add_argument("--no-record", action="store_true", help="do not record this session")
+    _viewer_flags(p)
     attach = sub.add_parser("attach", help="open the viewer on one run")
     attach.add_argument("run", help="run id, name, pid or connection file")
     attach.add_argument("--connect", metavar="ENDPOINT", help="read from this endpoint (e.g. an ssh-forwarded socket)")
     attach.add_argument("--wait", action="store_true", help="wait for the run to appear instead of failing")
-    attach.add_argument("--read-only", action="store_true", help="never send anything to the trainer")
-    attach.add_argument("--no-record", action="store_true", help="do not record this session")
+    _viewer_flags(attach)
     replay = sub.add_parser("replay", help="show a recording in the viewer")
     replay.add_argument("file")
     replay.add_argument("--speed", type=_positive_float, default=1.0, help="replay speed factor (default 1)")

@@ -367,7 +367,7 @@ class GradProbe:
         return Work(step, ts, host, parts.layout, ev, meta, parts.values)
 
 
-def scalar_part(value: Any, device: torch.device) -> torch.Tensor | None:
+def scalar_part(value: Any) -> torch.Tensor | None:
     """A loss given as a tensor (it stays where it is until the sender reads it), else None."""
     if isinstance(value, torch.Tensor):
         value = value.detach()

@@ -383,8 +383,7 @@ class Watcher:
         host = not probe.branchless
         parts = Parts(host)
         meta: dict[str, Any] = {}
-        dev = probe.device
-        lp = scalar_part(loss, dev)
+        lp = scalar_part(loss)
         if lp is not None and host and lp.device.type == "cpu":
             meta["loss"] = lp.item()  # CPU: no device queue to stall
         elif lp is not None:
