@@ -9,8 +9,8 @@ Trainer side::
     gw.step(loss, inputs=x, targets=y)   # after backward, before optimizer.step()
     optimizer.step()
 
-Viewer side: ``gradwatch`` (the TUI), ``gradwatch ls``, ``gradwatch tail``, or from Python
-``gradwatch.runs()`` and ``gradwatch.connect(...)``.
+Viewer side: ``gradwatch`` (the TUI), ``gradwatch ls``, ``gradwatch tail``, ``gradwatch debug``,
+or from Python ``gradwatch.runs()``, ``gradwatch.connect(...)`` and ``gradwatch.control(...)``.
 
 This module is light on purpose (PEP 562 lazy attributes): ``import gradwatch`` loads neither
 torch, zmq sockets, Textual nor pdb. Each name is imported on first use.
@@ -24,17 +24,21 @@ from gradwatch.__about__ import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
     from gradwatch.client import Client, connect, runs
+    from gradwatch.controller import Controller, control
     from gradwatch.protocol import DecodeError
     from gradwatch.publisher import watch
     from gradwatch.transport import RunInfo, TransportError
 
-__all__ = ["__version__", "watch", "runs", "connect", "Client", "RunInfo", "DecodeError", "TransportError"]
+__all__ = ["__version__", "watch", "runs", "connect", "control", "Client", "Controller", "RunInfo", "DecodeError",
+           "TransportError"]
 
 _LAZY = {
     "watch": ("gradwatch.publisher", "watch"),
     "runs": ("gradwatch.client", "runs"),
     "connect": ("gradwatch.client", "connect"),
     "Client": ("gradwatch.client", "Client"),
+    "control": ("gradwatch.controller", "control"),
+    "Controller": ("gradwatch.controller", "Controller"),
     "RunInfo": ("gradwatch.transport", "RunInfo"),
     "TransportError": ("gradwatch.transport", "TransportError"),
     "DecodeError": ("gradwatch.protocol", "DecodeError"),

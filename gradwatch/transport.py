@@ -188,6 +188,7 @@ class RunInfo:
     stream: str
     key: bytes = field(repr=False)
     control: str | None = None
+    curve: dict[str, str] | None = field(default=None, repr=False)  # TCP control: CURVE keys (z85)
     rank: int = 0
     world_size: int = 1
     status: str = "running"
@@ -200,7 +201,7 @@ class RunInfo:
         return {
             "gradwatch": PROTOCOL_VERSION, "run": self.run, "name": self.name, "host": self.host,
             "pid": self.pid, "pid_start": self.pid_start, "started": self.started, "stream": self.stream,
-            "control": self.control, "key": self.key.hex(), "rank": self.rank, "world_size": self.world_size,
+            "control": self.control, "curve": self.curve, "key": self.key.hex(), "rank": self.rank, "world_size": self.world_size,
             "status": self.status, "ended": self.ended,
         }
 
@@ -213,7 +214,7 @@ def _parse(data: dict[str, Any], path: Path | None) -> RunInfo:
         info = RunInfo(
             run=str(data["run"]), name=str(data["name"]), host=str(data["host"]), pid=int(data["pid"]),
             started=float(data["started"]), stream=str(data["stream"]), key=key,
-            control=data.get("control"), rank=int(data.get("rank", 0)), world_size=int(data.get("world_size", 1)),
+            control=data.get("control"), curve=_curve(data.get("curve")), rank=int(data.get("rank", 0)), world_size=int(data.get("world_size", 1)),
             status=str(data.get("status", "running")), ended=data.get("ended"),
             pid_start=data.get("pid_start"), path=path,
         )
@@ -222,6 +223,15 @@ def _parse(data: dict[str, Any], path: Path | None) -> RunInfo:
     except (KeyError, TypeError, ValueError) as exc:
         raise TransportError(f"{path}: not a valid gradwatch connection file ({type(exc).__name__}: {exc})") from None
     return _with_state(info)
+
+
+def _curve(v: Any) -> dict[str, str] | None:
+    if v is None:
+        return None
+    keys = ("server_public", "client_public", "client_secret")
+    if not isinstance(v, dict) or any(not isinstance(v.get(k), str) or len(v[k]) != 40 for k in keys):
+        raise ValueError("bad curve keys")
+    return {k: v[k] for k in keys}
 
 
 def _with_state(info: RunInfo) -> RunInfo:

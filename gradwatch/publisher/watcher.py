@@ -30,6 +30,7 @@ import torch
 from gradwatch import protocol, transport
 from gradwatch._warn import warn
 from gradwatch.publisher.probes import ActivationProbe, GradProbe, Parts, data_stats, hyper_of, module_tree, scalar_part
+from gradwatch.publisher.pause import PAUSE_ON_KINDS, PauseControl
 from gradwatch.publisher.sender import BATCH_BYTES, Sender, SenderConfig
 
 MAX_CONSECUTIVE_ERRORS = 10
@@ -54,6 +55,9 @@ class WatchConfig:
     history: int = 2000
     queue_size: int = 64
     announce: bool = True
+    pause_on: tuple[str, ...] = ()
+    max_pause: float | None = 1800.0
+    debug_in: str = "viewer"
 
     def __post_init__(self) -> None:
         for key in ("every", "detail_every", "history", "queue_size"):
@@ -68,6 +72,19 @@ class WatchConfig:
             raise ValueError("gradwatch.watch(name=...) must be a non-empty string of at most 200 characters")
         if self.endpoint is not None and not isinstance(self.endpoint, str):
             raise ValueError("gradwatch.watch(endpoint=...) must be a string such as 'tcp://127.0.0.1:0'")
+        if isinstance(self.pause_on, str):
+            self.pause_on = (self.pause_on,)
+        self.pause_on = tuple(self.pause_on)
+        bad = [k for k in self.pause_on if k not in PAUSE_ON_KINDS]
+        if bad:
+            raise ValueError(f"gradwatch.watch(pause_on=...) takes kinds from {PAUSE_ON_KINDS}, got {bad!r}")
+        if self.max_pause is not None and (isinstance(self.max_pause, bool) or not isinstance(self.max_pause, (int, float))
+                                           or not self.max_pause > 0):
+            raise ValueError(f"gradwatch.watch(max_pause=...) must be seconds > 0 or None, got {self.max_pause!r}")
+        if self.debug_in not in ("viewer", "terminal"):
+            raise ValueError(f"gradwatch.watch(debug_in=...) must be 'viewer' or 'terminal', got {self.debug_in!r}")
+        if self.pause_on and not self.control:
+            raise ValueError("gradwatch.watch(pause_on=...) needs control=True")
 
 
 # -------------------------------------------------------------------- process-wide exit bookkeeping
@@ -148,7 +165,12 @@ class Watcher:
         self.sender: Sender | None = None
         self.connection_file: Path | None = None
         self.endpoint: str | None = None
+        self.control_endpoint: str | None = None
         self._ctx: Any = None
+        self._control: Any = None  # ControlServer
+        self._auth: Any = None  # zmq ThreadAuthenticator (TCP + CURVE only)
+        self._pausectl: PauseControl | None = None
+        self._trigger: str | None = None  # a pause_on condition seen at this boundary
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
@@ -169,7 +191,7 @@ class Watcher:
             modules=tuple(protocol.ModuleInfo(*m) for m in modules), rank=rank, world_size=world,
             host=_socket.gethostname(), pid=self._pid, started=time.time(), torch_version=torch.__version__,
             optimizer=type(optimizer).__name__ if optimizer is not None else "", hyper=tuple(hyper),
-            every=cfg.every, control=False,  # the control channel is not served yet: viewers must not offer pause
+            every=cfg.every, control=False,  # set once the control socket is bound
         )
         if not self._open_transport():
             return
@@ -214,13 +236,18 @@ class Watcher:
                 path = transport.endpoint_path(bound)
                 if path:
                     os.chmod(path, 0o600)
+                control, curve = self._bind_control(ctx, bound) if self.cfg.control else (None, None)
                 info = transport.RunInfo(run=self.run_id, name=self.name, host=self._schema.host, pid=self._pid,
-                                         started=self._schema.started, stream=bound, key=key, control=None,
-                                         rank=self._schema.rank, world_size=self._schema.world_size,
+                                         started=self._schema.started, stream=bound, key=key, control=control,
+                                         curve=curve, rank=self._schema.rank, world_size=self._schema.world_size,
                                          pid_start=transport._pid_start(self._pid))
                 self.connection_file = transport.write_connection_file(info)
             except BaseException:
                 sock.close(linger=0)
+                if self._control_sock is not None:
+                    self._control_sock.close(linger=0)
+                if self._auth is not None:
+                    self._auth.stop()
                 ctx.destroy(linger=0)
                 raise
         except Exception as exc:  # noqa: BLE001 - transport problems must never stop training
@@ -229,6 +256,8 @@ class Watcher:
             return False
         self._ctx = ctx
         self.endpoint = bound
+        if self._control_sock is not None:
+            self._start_control(key)
         schema = self._schema
         self.sender = Sender(
             SenderConfig(run=self.run_id, history_steps=self.cfg.history, queue_size=self.cfg.queue_size,
@@ -240,8 +269,47 @@ class Watcher:
         self.sender.event("started", 0, f"pid {self._pid} on {schema.host}")
         return True
 
+    _control_sock: Any = None
+
+    def _bind_control(self, ctx: Any, stream: str) -> tuple[str | None, dict[str, str] | None]:
+        """Bind the command socket; if that is impossible the run is read-only (one warning), never dead."""
+        from gradwatch.publisher.control import bind_control
+
+        try:
+            sock, endpoint, curve, auth = bind_control(ctx, self.run_id, stream)
+        except Exception as exc:  # noqa: BLE001
+            reason = str(exc) if isinstance(exc, transport.TransportError) else f"{type(exc).__name__}: {exc}"
+            warn(f"pause/debug control is off for this run ({reason}); telemetry still flows")
+            return None, None
+        self._control_sock, self._auth = sock, auth
+        self.control_endpoint = endpoint
+        return endpoint, curve
+
+    def _start_control(self, key: bytes) -> None:
+        import dataclasses
+
+        from gradwatch.publisher.control import ControlServer
+
+        cfg = self.cfg
+        pc = PauseControl(rank=self._schema.rank, world=self._schema.world_size, max_pause=cfg.max_pause,
+                          pause_on=cfg.pause_on, run=self.run_id, namespace=lambda: {}, event=self._emit,
+                          log=_log_line)
+        server = ControlServer(self._control_sock, protocol.Signer(key), pc.handle)
+        pc.server = server
+        self._pausectl, self._control = pc, server
+        self._schema = dataclasses.replace(self._schema, control=True)
+        server.start()
+
+    def _emit(self, name: str, step: int, message: str = "", data: dict[str, Any] | None = None) -> None:
+        if self.sender is not None:
+            self.sender.event(name, step, message, data)
+
     def _counters(self) -> dict[str, int]:
-        return {"trainer_errors": self._errors, "steps": self._step, "published": self._published}
+        c = {"trainer_errors": self._errors, "steps": self._step, "published": self._published}
+        if self._control is not None:
+            c["rejected_cmd"] = sum(self._control.rejected.values())
+            c["commands"] = self._control.accepted
+        return c
 
     def _scaler_enabled(self) -> bool:
         try:
@@ -255,9 +323,12 @@ class Watcher:
         original = scaler.step
 
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._explicit and self._live():
-                self._guarded(self._boundary, self._pending_loss, None, None)
+            if not self._explicit and self._live() and not self._in_pause:
+                loss = self._pending_loss
+                self._guarded(self._boundary, loss, None, None)
                 self._hook_boundary_done = True
+                if self._pausectl is not None:
+                    self._pause_point(loss, None, None)
             return original(optimizer, *args, **kwargs)
 
         scaler.step = step
@@ -267,10 +338,12 @@ class Watcher:
 
     def step(self, loss: Any = None, *, inputs: Any = None, targets: Any = None) -> None:
         """Mark a step boundary: after ``backward()``, before ``optimizer.step()``. Never raises."""
-        if not self._live():
+        if not self._live() or self._in_pause:
             return
         self._explicit = True
         self._guarded(self._boundary, loss, inputs, targets)
+        if self._pausectl is not None:
+            self._pause_point(loss, inputs, targets)
 
     def log(self, **scalars: Any) -> None:
         """Add user scalars to the current step (``loss=`` also sets the loss in hook mode). Never raises."""
@@ -321,6 +394,71 @@ class Watcher:
 
     # ------------------------------------------------------------------ internals
 
+    _in_pause = False
+
+    def _pause_point(self, loss: Any, inputs: Any, targets: Any) -> None:
+        """The safe point, right after the boundary's statistics: pause here if asked (or pause_on fired).
+
+        The only exception that may leave is the KeyboardInterrupt of a confirmed abort from the viewer.
+        """
+        pc = self._pausectl
+        assert pc is not None
+        try:
+            step = self._step - 1
+            trigger, self._trigger = self._trigger, None
+            if trigger is not None:
+                pc.auto(step, trigger)
+            if not pc.check(step):
+                return
+            self._in_pause = True
+            ns = {"model": self.model, "optimizer": self.optimizer, "loss": loss, "inputs": inputs,
+                  "targets": targets, "step": step, "gw": self}
+            pc.pause_here(step, ns, terminal=self.cfg.debug_in == "terminal" and _stdin_is_terminal())
+        except Exception as exc:  # noqa: BLE001 - nothing from gradwatch reaches the training loop...
+            self._fail(exc)
+        finally:
+            self._in_pause = False
+        if pc.abort:  # ...except the abort the user asked for and confirmed
+            pc.abort = False
+            raise KeyboardInterrupt("gradwatch: training aborted from the viewer")
+
+    # ------------------------------------------------------------------ debugger helpers (used while paused)
+
+    def top_layers(self, n: int = 10) -> list[tuple[str, float]]:
+        """The ``n`` parameters with the largest gradient norm (non-finite first), as (name, norm)."""
+        norms = [(name, float(p.grad.detach().float().norm()) if p.grad is not None else 0.0)
+                 for name, p in zip(self.param_names, self._probe.params)]
+        return sorted(norms, key=lambda t: (math.isfinite(t[1]), -t[1] if math.isfinite(t[1]) else 0.0))[:n]
+
+    def nonfinite(self) -> list[tuple[str, str, int]]:
+        """Parameters whose gradient or weight holds NaN/Inf: (name, "grad"|"weight", count)."""
+        out: list[tuple[str, str, int]] = []
+        for name, p in zip(self.param_names, self._probe.params):
+            for what, t in (("grad", p.grad), ("weight", p.detach())):
+                if t is not None:
+                    bad = int((~torch.isfinite(t)).sum())
+                    if bad:
+                        out.append((name, what, bad))
+        return out
+
+    def skip_step(self) -> str:
+        """Drop this step's gradients (``.grad = None``), so ``optimizer.step()`` leaves every weight and
+        its optimizer state as they are (zeroed gradients would still apply momentum and weight decay)."""
+        for p in self._probe.params:
+            p.grad = None
+        return f"gradients of {len(self._probe.params)} parameters dropped: the optimizer step will do nothing"
+
+    def set_lr(self, lr: float) -> str:
+        """Set the learning rate of every parameter group (a scheduler may overwrite it on its next step)."""
+        if self.optimizer is None:
+            return "no optimizer was given to gradwatch.watch()"
+        for g in self.optimizer.param_groups:
+            if isinstance(g.get("lr"), torch.Tensor):
+                g["lr"].fill_(float(lr))
+            else:
+                g["lr"] = float(lr)
+        return f"lr = {float(lr):g} in {len(self.optimizer.param_groups)} group(s)"
+
     def _live(self) -> bool:
         if self._closed or self.disabled_reason is not None:
             return False
@@ -351,6 +489,7 @@ class Watcher:
         warn(reason, key=f"disabled-{id(self)}")
         try:
             self._remove_hooks()
+            self._stop_control()
             if self.sender is not None:
                 self.sender.event("disabled", self._step, reason[:500])
                 self.sender.stop(timeout=0.5)
@@ -364,7 +503,12 @@ class Watcher:
         if self._hook_boundary_done:  # scaler.step() already marked this boundary
             self._hook_boundary_done = False
             return
-        self._guarded(self._boundary, self._pending_loss, None, None)
+        if self._in_pause:
+            return
+        loss = self._pending_loss
+        self._guarded(self._boundary, loss, None, None)
+        if self._pausectl is not None:
+            self._pause_point(loss, None, None)
 
     def _boundary(self, loss: Any, inputs: Any, targets: Any) -> None:
         t0 = time.perf_counter()
@@ -404,6 +548,9 @@ class Watcher:
                 for gi, k, t in tensors:
                     parts.add(f"opt:{gi}:{k}", t)
         probe.collect(parts, meta, step, detail)
+        pc = self._pausectl
+        if pc is not None and "nonfinite" in pc.pause_on:
+            self._trigger = self._nonfinite_trigger(meta, lp, parts)
         if self._act.attached:
             order, stats = self._act.take()
             if stats is not None:
@@ -454,6 +601,32 @@ class Watcher:
         if self._interval and self._detail_cost is not None:
             gap = math.ceil(self._detail_cost / (DETAIL_BUDGET * self._interval * self.cfg.every))
         self._next_detail = self._published - 1 + max(1, min(MAX_DETAIL_GAP, gap))
+
+    def _nonfinite_trigger(self, meta: dict[str, Any], lp: torch.Tensor | None, parts: Parts) -> str | None:
+        """pause_on=("nonfinite",): is this step's loss or any gradient NaN/Inf? On CPU the norms are
+        on the host already; on CUDA this costs one host sync per step, the price of pausing *before*
+        a NaN reaches the weights (documented in the README)."""
+        bad = meta.get("nonfinite")
+        if bad is None:  # CUDA: one sync on a fused flag
+            flag = torch.zeros((), dtype=torch.bool, device=self._probe.device)
+            if "gn" in parts.layout:
+                norms = parts.tensors[list(parts.layout).index("gn")]
+                flag = flag | ~torch.isfinite(norms).all()
+            if lp is not None:
+                flag = flag | ~torch.isfinite(lp.to(flag.device)).all()
+            if not bool(flag):  # host sync, only with pause_on
+                return None
+            return "non-finite loss or gradient"
+        loss = meta.get("loss")
+        if bad:
+            names = [self.param_names[i] for i in sorted(bad)][:3]
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            return f"non-finite gradient in {', '.join(names)}{more}"
+        if isinstance(loss, float) and not math.isfinite(loss):
+            return f"non-finite loss ({loss})"
+        if lp is not None and not bool(torch.isfinite(lp).all()):
+            return "non-finite loss"
+        return None
 
     def _watch_unpublished(self, step: int, loss: Any, inputs: Any, targets: Any) -> None:
         """With every > 1, a NaN on a step that is not published must still be reported (on the next one).
@@ -507,6 +680,18 @@ class Watcher:
             del self.scaler.step
         self._scaler_step = None
 
+    def _stop_control(self) -> None:
+        if self._control is not None:
+            self._control.stop(timeout=0.5)
+        if self._auth is not None:
+            try:
+                self._auth.stop()
+            except Exception:  # noqa: BLE001
+                pass
+            self._auth = None
+        if self.control_endpoint is not None:
+            transport.remove_socket(self.control_endpoint)
+
     def _mark_ended(self, status: str) -> None:
         if self.connection_file is not None:
             try:
@@ -522,6 +707,7 @@ class Watcher:
         self._closed = True
         try:
             self._remove_hooks()
+            self._stop_control()
             if self.sender is not None and self.disabled_reason is None:
                 final = ("crashed", crashed) if crashed else ("finished", f"{self._step} steps")
                 self.sender.stop(final=final, timeout=1.0)
@@ -531,6 +717,21 @@ class Watcher:
                 self._mark_ended("crashed" if crashed else "finished")
         except Exception:  # noqa: BLE001
             pass
+
+
+def _log_line(line: str) -> None:
+    """The trainer's log (stderr): pause, resume and control audit lines."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
@@ -582,6 +783,18 @@ class NullWatcher:
 
     def arm_activations(self, steps: int = 1) -> None:
         pass
+
+    def top_layers(self, n: int = 10) -> list[tuple[str, float]]:
+        return []
+
+    def nonfinite(self) -> list[tuple[str, str, int]]:
+        return []
+
+    def skip_step(self) -> str:
+        return "gradwatch is disabled"
+
+    def set_lr(self, lr: float) -> str:
+        return "gradwatch is disabled"
 
     def close(self) -> None:
         pass

@@ -1,0 +1,276 @@
+"""The trainer's control channel: a ROUTER socket that accepts only signed, fresh commands.
+
+A pause is code execution (research/reliability.md §8), so every command frame is verified exactly
+like telemetry (HMAC with the run's key, checked before decoding) and then replay-checked: per
+viewer session a strictly increasing sequence number and a timestamp within
+:data:`~gradwatch.protocol.COMMAND_MAX_AGE_S`. A rejected frame is counted by reason, logged
+(rate-limited) and dropped; it never reaches the pause logic. Over TCP the socket is additionally
+a CURVE server with an allow-list (see :func:`bind_control`).
+
+This thread owns the socket (zmq sockets are not thread-safe). It never blocks the training
+thread: commands become flags and queued lines that the training thread reads at its safe point,
+and debugger output is queued here by the training thread and shipped by this one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import Counter, deque
+from typing import Any, Callable
+
+from gradwatch import protocol, transport
+from gradwatch.protocol import Command, DecodeError, Reply, ReplayGuard, Signer
+
+#: Poll interval of the control thread (the latency of a command, and of debugger output).
+POLL_S = 0.02
+#: Largest command frame accepted (a typed pdb line is tiny).
+MAX_COMMAND_BYTES = 64 * 1024
+#: Rejected commands logged one by one per minute; the rest are summarised once a minute.
+LOG_FIRST = 5
+
+#: What a handler returns: (ok, message, data) to reply with, or None for no reply.
+Handled = "tuple[bool, str, dict[str, Any]] | None"
+
+REASON_TEXT = {
+    "too_large": "frame too large", "truncated": "truncated frame", "bad_magic": "not a gradwatch frame",
+    "bad_version": "another protocol version", "unsigned": "unsigned", "wrong_key": "signed with another key",
+    "bad_mac": "bad signature (tampered or corrupted)", "undecodable": "undecodable body",
+    "invalid": "invalid command", "replayed": "replayed (sequence number already used)",
+    "stale": "stale timestamp",
+}
+
+
+class AuditLog:
+    """Trainer-log lines for control traffic: every accepted command, rejected ones rate-limited."""
+
+    def __init__(self, write: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        self._write = write or _stderr
+        self._clock = clock
+        self._window = clock()
+        self._logged = 0
+        self._suppressed: Counter[str] = Counter()
+
+    def accepted(self, cmd: Command) -> None:
+        if cmd.command in ("ping", "input", "hello"):
+            return  # keep-alives and typed lines: too chatty for a log
+        stamp = time.strftime("%H:%M:%S")
+        self._write(f"gradwatch: control: {cmd.command} from viewer session {cmd.session[:16]} at {stamp}")
+
+    def rejected(self, reason: str, detail: str = "") -> None:
+        now = self._clock()
+        if now - self._window >= 60.0:
+            self._summarise()
+            self._window, self._logged = now, 0
+        if self._logged < LOG_FIRST:
+            self._logged += 1
+            more = f" ({detail[:120]})" if detail else ""
+            self._write(f"gradwatch: rejected a control command: {REASON_TEXT.get(reason, reason)}{more}; nothing done")
+        else:
+            self._suppressed[reason] += 1
+
+    def _summarise(self) -> None:
+        if self._suppressed:
+            parts = ", ".join(f"{k} x{v}" for k, v in self._suppressed.most_common())
+            self._write(f"gradwatch: rejected {sum(self._suppressed.values())} more control commands in the last "
+                        f"minute ({parts})")
+            self._suppressed.clear()
+
+    def flush(self) -> None:
+        self._summarise()
+
+
+def _stderr(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a closed stderr must not matter
+        pass
+
+
+class ControlServer(threading.Thread):
+    """Receives commands on a ROUTER socket and hands verified ones to ``handler`` (in this thread).
+
+    ``handler(cmd)`` must not block; it returns ``(ok, message, data)`` to reply or None.
+    """
+
+    def __init__(self, sock: Any, signer: Signer, handler: Callable[[Command], Any], *,
+                 audit: AuditLog | None = None, on_stop: Callable[[], None] | None = None) -> None:
+        super().__init__(name="gradwatch-control", daemon=True)
+        self._sock = sock
+        self._signer = signer
+        self._handler = handler
+        self._guard = ReplayGuard()
+        self.audit = audit or AuditLog()
+        self._on_stop = on_stop
+        self._routes: dict[str, bytes] = {}
+        self._seen: dict[str, float] = {}
+        self._outbox: deque[tuple[str, Reply]] = deque(maxlen=4096)
+        self._stop_flag = False
+        self.rejected: Counter[str] = Counter()
+        self.accepted = 0
+        self.errors = 0
+
+    # ------------------------------------------------------------------ any thread
+
+    def send(self, session: str, data: dict[str, Any], message: str = "", ok: bool = True, seq: int = 0) -> None:
+        """Queue a reply or a notification to a viewer session (dropped if it never spoke to us)."""
+        self._outbox.append((session, Reply(session=session, seq=seq, ts=time.time(), ok=ok, message=message,
+                                            data=data)))
+
+    def last_seen(self, session: str | None) -> float | None:
+        """Monotonic time of the last verified command from ``session`` (None: never)."""
+        return self._seen.get(session) if session else None
+
+    def stop(self, timeout: float = 0.5) -> None:
+        self._stop_flag = True
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+
+    # ------------------------------------------------------------------ control thread
+
+    def run(self) -> None:
+        import zmq
+
+        sock = self._sock
+        try:
+            while not self._stop_flag:
+                try:
+                    if sock.poll(int(POLL_S * 1000), zmq.POLLIN):
+                        for _ in range(256):  # bounded per turn: a flood cannot starve the outbox
+                            try:
+                                parts = sock.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            self._receive(parts)
+                    self._flush_outbox(zmq)
+                except Exception:  # noqa: BLE001 - the control thread must outlive any bad input
+                    self.errors += 1
+                    time.sleep(POLL_S)
+            self._flush_outbox(zmq)
+        finally:
+            self.audit.flush()
+            try:
+                sock.close(linger=0)
+            except Exception:  # noqa: BLE001
+                pass
+            if self._on_stop is not None:
+                self._on_stop()
+
+    def _reject(self, reason: str, detail: str = "") -> None:
+        self.rejected[reason] += 1
+        self.audit.rejected(reason, detail)
+
+    def _receive(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            self._reject("invalid", f"{len(parts) - 1} frames, expected 1")
+            return
+        ident, frame = parts
+        if len(frame) > MAX_COMMAND_BYTES:
+            self._reject("too_large", f"{len(frame)} bytes")
+            return
+        try:
+            msg = protocol.decode(frame, self._signer)
+            if not isinstance(msg, Command):
+                raise DecodeError("invalid", f"a {type(msg).__name__} is not a command")
+            self._guard.check(msg)  # after the MAC: replay state only moves for authentic frames
+        except DecodeError as exc:
+            self._reject(exc.reason, exc.detail)
+            return
+        self.accepted += 1
+        self._routes[msg.session] = ident
+        self._seen[msg.session] = time.monotonic()
+        if len(self._routes) > 1024:  # bounded: forget the oldest sessions
+            oldest = next(iter(self._routes))
+            self._routes.pop(oldest, None)
+            self._seen.pop(oldest, None)
+        self.audit.accepted(msg)
+        try:
+            result = self._handler(msg)
+        except Exception as exc:  # noqa: BLE001
+            self.errors += 1
+            result = (False, f"internal error: {type(exc).__name__}: {exc}"[:300], {})
+        if result is not None:
+            ok, message, data = result
+            self.send(msg.session, data, message, ok=ok, seq=msg.seq)
+
+    def _flush_outbox(self, zmq: Any) -> None:
+        while self._outbox:
+            session, reply = self._outbox.popleft()
+            ident = self._routes.get(session)
+            if ident is None:
+                continue
+            try:
+                self._sock.send_multipart([ident, protocol.encode(reply, self._signer)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the viewer is gone or not reading: it will resync from the stream
+
+
+# --------------------------------------------------------------------------- sockets
+
+
+def bind_control(ctx: Any, run_id: str, stream_endpoint: str) -> tuple[Any, str, dict[str, str] | None, Any]:
+    """Bind the control socket next to the stream: ``(socket, endpoint, curve, authenticator)``.
+
+    * ipc (the default): a socket file inside the private 0700 runtime directory, 0600. The
+      filesystem keeps other users out (FINDINGS 14); the HMAC keeps everyone else out.
+    * tcp: only with CURVE and a ZAP allow-list that fails closed (FINDINGS 15): the run gets a
+      server keypair and one client keypair, both written to the 0600 connection file; the ZAP
+      handler admits only that client key, and ``ZAP_ENFORCE_DOMAIN`` rejects everyone if the
+      handler is missing. Without CURVE support in libzmq, this raises: the run stays read-only.
+    """
+    import zmq
+
+    def opts(sock: Any) -> None:
+        for opt, val in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_COMMAND_BYTES), (zmq.SNDHWM, 1000),
+                         (zmq.RCVHWM, 1000), (zmq.ROUTER_MANDATORY, 0), (zmq.HEARTBEAT_IVL, 1000),
+                         (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
+            sock.setsockopt(opt, val)
+
+    if stream_endpoint.startswith("ipc://"):
+        endpoint, note = transport.ipc_endpoint(run_id, "c")
+        sock = ctx.socket(zmq.ROUTER)
+        opts(sock)
+        try:
+            sock.bind(endpoint)
+            bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            path = transport.endpoint_path(bound)
+            if path:
+                os.chmod(path, 0o600)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock, bound, None, None
+    if not zmq.has("curve"):
+        raise transport.TransportError("this libzmq has no CURVE support; a TCP run is read-only")
+    from zmq.auth.thread import ThreadAuthenticator
+
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    allowed = {client_public}
+
+    class _AllowList:
+        def callback(self, domain: str, key: bytes) -> bool:
+            return key in allowed
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("gradwatch", credentials_provider=_AllowList())
+    host = stream_endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    sock = ctx.socket(zmq.ROUTER)
+    opts(sock)
+    try:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, server_secret)
+        sock.setsockopt(zmq.ZAP_DOMAIN, b"gradwatch")
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        sock.bind(f"tcp://{host}:0")
+        bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    except BaseException:
+        sock.close(linger=0)
+        auth.stop()
+        raise
+    curve = {"server_public": server_public.decode(), "client_public": client_public.decode(),
+             "client_secret": client_secret.decode()}
+    return sock, bound, curve, auth
