@@ -275,7 +275,8 @@ def run(args: argparse.Namespace, *, on_start: Callable[[Any], None] | None = No
     name = args.name or (args.scenario + ("-clip" if args.clip is not None else ""))
     out = None if args.quiet else sys.stdout
     with gradwatch.watch(setup.model, setup.optimizer, name=name, every=args.every,
-                         activations=args.activations, announce=not args.quiet) as gw:
+                         activations=args.activations, announce=not args.quiet,
+                         pause_on=("nonfinite",) if args.pause_on_nonfinite else ()) as gw:
         try:
             if on_start is not None:
                 on_start(gw)
@@ -340,6 +341,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="publish every N steps (gradwatch.watch every=)")
     p.add_argument("--activations", type=_number(int, 0, "an integer >= 0"), default=0, metavar="N",
                    help="activation statistics every N published steps, 0 = off (gradwatch.watch activations=)")
+    p.add_argument("--pause-on-nonfinite", action="store_true",
+                   help="pause into the debugger before a NaN/Inf gradient reaches the weights (pause_on=)")
     p.add_argument("--loop", action="store_true", help="start again with a fresh model after each round until Ctrl-C")
     p.add_argument("--quiet", action="store_true", help="no progress lines, no gradwatch banner")
     args = p.parse_args(argv)

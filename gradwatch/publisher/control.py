@@ -60,16 +60,23 @@ class AuditLog:
         self._write(f"gradwatch: control: {cmd.command} from viewer session {cmd.session[:16]} at {stamp}")
 
     def rejected(self, reason: str, detail: str = "") -> None:
-        now = self._clock()
-        if now - self._window >= 60.0:
-            self._summarise()
-            self._window, self._logged = now, 0
+        self.tick()
         if self._logged < LOG_FIRST:
             self._logged += 1
             more = f" ({detail[:120]})" if detail else ""
             self._write(f"gradwatch: rejected a control command: {REASON_TEXT.get(reason, reason)}{more}; nothing done")
         else:
             self._suppressed[reason] += 1
+
+    def tick(self) -> None:
+        """Close the minute once it is over: its summary is written even if no rejection follows.
+
+        The control thread calls this on every poll, so a flood that stops is still reported within
+        about a minute, not only when the run ends."""
+        now = self._clock()
+        if now - self._window >= 60.0:
+            self._summarise()
+            self._window, self._logged = now, 0
 
     def _summarise(self) -> None:
         if self._suppressed:
@@ -145,6 +152,7 @@ class ControlServer(threading.Thread):
                                 break
                             self._receive(parts)
                     self._flush_outbox(zmq)
+                    self.audit.tick()
                 except Exception:  # noqa: BLE001 - the control thread must outlive any bad input
                     self.errors += 1
                     time.sleep(POLL_S)

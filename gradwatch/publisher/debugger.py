@@ -13,10 +13,12 @@ readline, which deadlocks in some subprocesses without stdin access).
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +27,7 @@ _TICK_S = 0.1
 #: pdb output travels in chunks of at most this many characters.
 CHUNK = 16 * 1024
 _HERE = str(Path(__file__).resolve().parent)
+_PKG = str(Path(__file__).resolve().parent.parent)
 
 BANNER = (
     "gradwatch: paused at step {step} ({reason}), after backward and before optimizer.step():\n"
@@ -185,10 +188,22 @@ def _make_pdb(channel: DebugChannel | None) -> Any:
 
 
 def _pause_frame(model: Any, optimizer: Any, loss: Any, inputs: Any, targets: Any, step: int, gw: Any,
-                 _dbg: Any) -> None:
-    """The frame the debugger opens in: its locals are the prepared namespace."""
-    _dbg.set_trace(sys._getframe())
-    return None  # pdb stops on this line, with model, optimizer, loss, ... in scope
+                 _dbg: Any, _here: Any) -> None:
+    """The frame the debugger opens in: its locals are the prepared namespace, and it runs with the
+    training script's globals (see :func:`debug_session`), so ``torch`` and the user's helpers resolve."""
+    _dbg.set_trace(_here())
+    return None  # paused by gradwatch: model, optimizer, loss, inputs, targets, step, gw; `up` = your loop
+
+
+def _user_frame() -> Any:
+    """The innermost frame outside gradwatch and torch: the training loop that reached the safe point."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not (name.startswith(_PKG) or f"{os.sep}torch{os.sep}" in name):
+            return f
+        f = f.f_back
+    return None
 
 
 def debug_session(namespace: dict[str, Any], channel: DebugChannel | None, banner: str) -> None:
@@ -197,11 +212,14 @@ def debug_session(namespace: dict[str, Any], channel: DebugChannel | None, banne
     out = channel if channel is not None else sys.stdout
     out.write(banner)
     out.flush()
+    frame = _user_frame()
+    pause = types.FunctionType(_pause_frame.__code__, frame.f_globals if frame is not None else {"__name__": "gw"},
+                               "_pause_frame")
     try:
-        _pause_frame(namespace["model"], namespace["optimizer"], namespace["loss"], namespace["inputs"],
-                     namespace["targets"], namespace["step"], namespace["gw"], dbg)
+        pause(namespace["model"], namespace["optimizer"], namespace["loss"], namespace["inputs"],
+              namespace["targets"], namespace["step"], namespace["gw"], dbg, sys._getframe)
     finally:
         sys.settrace(None)  # whatever pdb left behind: no tracing cost once training resumes
         if channel is not None:
-            channel.finish("session over")
+            channel.finish("continued in the debugger")
             channel.flush()

@@ -171,6 +171,7 @@ class Watcher:
         self._auth: Any = None  # zmq ThreadAuthenticator (TCP + CURVE only)
         self._pausectl: PauseControl | None = None
         self._trigger: str | None = None  # a pause_on condition seen at this boundary
+        self._nf_episode = False  # the last step was non-finite (pause_on fires once per episode)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
@@ -550,7 +551,12 @@ class Watcher:
         probe.collect(parts, meta, step, detail)
         pc = self._pausectl
         if pc is not None and "nonfinite" in pc.pause_on:
-            self._trigger = self._nonfinite_trigger(meta, lp, parts)
+            # one pause per non-finite episode: a run that stays NaN after "continue" is not paused
+            # again at every step; the first finite step re-arms it
+            why = self._nonfinite_trigger(meta, lp, parts)
+            if why is not None and not self._nf_episode:
+                self._trigger = why
+            self._nf_episode = why is not None
         if self._act.attached:
             order, stats = self._act.take()
             if stats is not None:
@@ -681,6 +687,8 @@ class Watcher:
         self._scaler_step = None
 
     def _stop_control(self) -> None:
+        if self._pausectl is not None:
+            self._pausectl.close()  # stops the distributed pause coordinator (a no-op for one process)
         if self._control is not None:
             self._control.stop(timeout=0.5)
         if self._auth is not None:

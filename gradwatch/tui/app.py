@@ -21,7 +21,9 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Input, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from gradwatch.tui.control import ControlLink
 from gradwatch.tui.screens.confirm import ConfirmScreen
+from gradwatch.tui.screens.console import DebugConsole
 from gradwatch.tui.screens.help import HelpScreen
 from gradwatch.tui.screens.picker import PickerScreen
 from gradwatch.tui.sources import Source
@@ -48,9 +50,12 @@ WAITING_TEXT = (
     "    ...  loss.backward(); gw.step(loss); optimizer.step()\n\n"
     "Or try it now: gradwatch demo (synthetic), ./scripts/demo (a real trainer)."
 )
-PAUSE_NOT_YET = ("Pause the trainer into pdb?\n\nThis trainer does not accept control commands yet: "
-                 "pause-into-pdb arrives with a later gradwatch release. Nothing was sent.")
+PAUSE_NO_CONTROL = ("Pause the trainer into pdb?\n\nThis run accepts no commands: it was started with control=False, "
+                    "or over TCP without CURVE support, or this is a replay. Nothing was sent.")
 PAUSE_READ_ONLY = "This viewer is read-only (--read-only): it never sends anything to the trainer."
+PAUSE_CONFIRM = ("Pause {name} at its next safe point -- after backward, before optimizer.step() -- and open its "
+                 "debugger here?{ranks}\n\nThe job waits while you debug. 'c' in pdb, Esc or 'c' in the viewer "
+                 "continue it; if this viewer dies, the job continues by itself within seconds.")
 
 
 class GradwatchApp(App[None]):
@@ -67,7 +72,12 @@ class GradwatchApp(App[None]):
         Binding("l", "log_scale", "log", id="log_scale"),
         Binding("m", "group_modules", "modules", id="group_modules"),
         Binding("r", "reconnect", "reconnect", id="reconnect"),
-        Binding("P", "pause_trainer", "pause trainer", id="pause_trainer", key_display="P"),
+        Binding("P", "pause_trainer", "pause trainer", id="pause_trainer", key_display="P",
+                tooltip="Pause the trainer at its next step boundary and open pdb (asks first)"),
+        Binding("d", "debugger", "debugger", id="debugger", show=False,
+                tooltip="Open the debugger of a paused trainer"),
+        Binding("c", "resume_trainer", "continue", id="resume_trainer", show=False,
+                tooltip="Resume a paused trainer"),
         Binding("escape", "clear", "clear", show=False, id="clear"),
     ]
 
@@ -109,6 +119,11 @@ class GradwatchApp(App[None]):
         self._cpu_share: float | None = None
         self.recording = recording
         self.errors = 0
+        self._source: Source | None = None
+        self._link: ControlLink | None = None
+        self._link_run: str | None = None
+        self.console: DebugConsole | None = None
+        self._was_paused = False
 
     # ------------------------------------------------------------------ layout
 
@@ -152,7 +167,8 @@ class GradwatchApp(App[None]):
     def _start_source(self) -> None:
         if self._source_factory is None:
             return
-        self._receive(self._source_factory())
+        self._source = self._source_factory()
+        self._receive(self._source)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="receiver")
     def _receive(self, source: Source) -> None:
@@ -200,6 +216,8 @@ class GradwatchApp(App[None]):
                     return
                 self._seen_version = version
                 status = self._status_fields()
+                newly_paused = status["paused"] and not self._was_paused
+                self._was_paused = status["paused"]
                 full = not self.frozen or self._view_dirty
                 force = self._view_dirty
                 if full:
@@ -209,6 +227,10 @@ class GradwatchApp(App[None]):
                     table = self._table_data()
                     alerts = list(self.state.alerts)
             self.query_one("#status", StatusBar).update(status_text(**status))
+            if newly_paused and self.console is None:
+                why = self.state.pause_reason
+                self.notify(f"the trainer paused at step {status['paused_step']}{': ' + why if why else ''}; "
+                            f"d opens its debugger, c resumes it", severity="warning", timeout=8)
             waiting = status["name"] is None
             if self.query_one("#waiting").display != waiting or self.query_one("#plots").display == waiting:
                 self.query_one("#waiting").display = waiting
@@ -250,7 +272,8 @@ class GradwatchApp(App[None]):
         return dict(conn=st.conn.value, name=sc.name if sc else None, run=sc.run if sc else None,
                     host=sc.host if sc else None, pid=sc.pid if sc else None, ranks=sc.world_size if sc else 1,
                     step=st.last_step, steps_per_s=st.steps_per_s, dropped=dropped, rejected=rejected,
-                    frozen=self.frozen, paused=st.paused, reason=st.conn_reason,
+                    frozen=self.frozen, paused=st.paused, paused_step=st.paused_step,
+                    paused_for=st.paused_for(self._clock()), reason=st.conn_reason,
                     recording=getattr(self.recording, "display", None))
 
     def _plot_data(self) -> dict[str, Any]:
@@ -358,10 +381,133 @@ class GradwatchApp(App[None]):
         self._start_source()
         self.notify("reconnecting", timeout=2)
 
+    # ------------------------------------------------------------------ pause and debug (commands to the trainer)
+
+    def _can_control(self) -> bool:
+        sc = self.state.schema
+        return bool(sc is not None and sc.control and not self.read_only and self._control_info() is not None)
+
+    def _control_info(self) -> Any:
+        """The connection file of the run to command: the attached run, or, while another rank of the
+        same job holds the debugger, that rank's run."""
+        info = getattr(self._source, "current", None)
+        rank = self.state.pause_debug_rank
+        sc = self.state.schema
+        if info is None or sc is None or rank is None or rank == sc.rank:
+            return info
+        from gradwatch.transport import list_runs
+
+        for r in list_runs()[0]:
+            if r.state == "live" and r.name == info.name and r.rank == rank:
+                return r
+        return info
+
     def action_pause_trainer(self) -> None:
-        control = bool(self.state.schema is not None and self.state.schema.control and not self.read_only)
-        text = PAUSE_READ_ONLY if self.read_only else PAUSE_NOT_YET
-        self.push_screen(ConfirmScreen(text, yes="Pause", no="Close", can_confirm=control))
+        if self.read_only or not self._can_control():
+            self.push_screen(ConfirmScreen(PAUSE_READ_ONLY if self.read_only else PAUSE_NO_CONTROL, no="Close",
+                                           can_confirm=False))
+            return
+        if self.state.paused:
+            self.action_debugger()
+            return
+        sc = self.state.schema
+        assert sc is not None
+        ranks = f"\n\nAll {sc.world_size} ranks of this job pause at the same step." if sc.world_size > 1 else ""
+        text = PAUSE_CONFIRM.format(name=repr(sc.name)[:60], ranks=ranks)
+        self.push_screen(ConfirmScreen(text, yes="Pause", no="Cancel"), self._pause_confirmed)
+
+    def _pause_confirmed(self, yes: bool | None) -> None:
+        if yes:
+            self._open_console("pause")
+
+    def action_debugger(self) -> None:
+        if self.read_only or not self._can_control():
+            self.notify("this viewer cannot command the trainer (read-only or control off)", timeout=4)
+            return
+        if not self.state.paused:
+            self.notify("the trainer is not paused; P pauses it", timeout=3)
+            return
+        self._open_console("attach")
+
+    def action_resume_trainer(self) -> None:
+        if not self.state.paused or self.read_only or not self._can_control():
+            return
+        link = self._ensure_link()
+        if link is not None:
+            link.submit("resume")
+            self.notify("resuming the trainer", timeout=2)
+
+    def _ensure_link(self) -> ControlLink | None:
+        info = self._control_info()
+        if info is None:
+            return None
+        if self._link is not None and self._link_run == info.run and self._link.is_alive():
+            return self._link
+        if self._link is not None:
+            self._link.close()
+        link = ControlLink(info, lambda reply: self.call_from_thread(self._on_control_reply, reply),
+                           on_error=lambda msg: self.call_from_thread(self._on_control_error, msg))
+        link.start()
+        self._link, self._link_run = link, info.run
+        return link
+
+    def _open_console(self, command: str) -> None:
+        link = self._ensure_link()
+        if link is None:
+            return
+        if self.console is None:
+            step = self.state.paused_step
+            title = (f" PAUSED at step {step}: pdb " if self.state.paused and step is not None
+                     else " waiting for the trainer's next safe point... ")
+            self.console = DebugConsole(title, send=lambda line: link.submit("input", line=line),
+                                        leave=self._leave_console, abort=self._confirm_abort)
+            self.push_screen(self.console)
+        link.submit(command, **({"reason": "requested from the viewer"} if command == "pause" else {}))
+
+    def _leave_console(self) -> None:
+        if self._link is not None:
+            self._link.submit("detach")
+        self.console = None
+
+    def _confirm_abort(self) -> None:
+        def answer(yes: bool | None) -> None:
+            if yes and self._link is not None:
+                self._link.submit("abort", confirm=True)
+
+        self.push_screen(ConfirmScreen("Abort the training run?\n\nThe trainer raises KeyboardInterrupt at this "
+                                       "step, as Ctrl-C would: the job stops.", yes="Abort run", no="Cancel"), answer)
+
+    def _on_control_reply(self, reply: Any) -> None:
+        console = self.console
+        data = reply.data
+        if "out" in data and console is not None:
+            console.show_output(str(data["out"]))
+        event = data.get("event")
+        if event == "paused" and console is not None:
+            console.set_title(f" PAUSED at step {data.get('step')}: pdb ({str(data.get('reason', ''))[:80]}) ")
+        elif event == "resumed":
+            if console is not None:
+                console.show_output(f"\n-- training resumed at step {data.get('step')} ({data.get('why', '')})\n")
+                self.console = None
+                while console in self.screen_stack and self.screen is not console:
+                    self.pop_screen()  # e.g. an abort confirmation still open
+                if self.screen is console:
+                    console.dismiss(None)
+            self.notify(f"training resumed ({str(data.get('why', ''))[:80]})", timeout=3)
+        if not reply.ok and reply.message:
+            if console is not None:
+                console.show_output(f"gradwatch: {reply.message}\n")
+            else:
+                self.notify(str(reply.message)[:200], severity="warning", timeout=5)
+
+    def _on_control_error(self, message: str) -> None:
+        if self.console is not None:
+            self.console.show_output(f"gradwatch: {message}\n")
+        self.notify(f"control: {message}"[:200], severity="error", timeout=6)
+
+    def on_unmount(self) -> None:
+        if self._link is not None:
+            self._link.close(detach=True)
 
     def on_data_table_row_selected(self, event: HeatTable.RowSelected) -> None:
         self.selected_layer = int(event.row_key.value) if event.row_key.value is not None else None

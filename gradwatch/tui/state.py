@@ -352,6 +352,10 @@ class RunState:
         self.steps_per_s = 0.0
         self.last_message_at: float | None = None
         self.paused = False
+        self.paused_step: int | None = None
+        self.paused_at: float | None = None  # viewer clock when the paused event arrived
+        self.pause_reason = ""
+        self.pause_debug_rank: int | None = None
         self.alerts: list[Alert] = []
         self.counters: dict[str, int] = {}
         self._trainer_counters: dict[str, int] = {}
@@ -476,10 +480,14 @@ class RunState:
         elif isinstance(msg, Heartbeat):
             if self._accept(msg, now):
                 self._trainer_counters = {clean(k, 64): int(v) for k, v in msg.counters.items()}
-                self.paused = bool(msg.paused)
+                if self.paused != bool(msg.paused):
+                    self._set_paused(bool(msg.paused), now, msg.step)
                 self._merge_counters()
         elif isinstance(msg, Event):
             if self._accept(msg, now):
+                if msg.event in ("paused", "resumed"):
+                    data = msg.data if isinstance(msg.data, dict) else {}
+                    self._set_paused(msg.event == "paused", now, msg.step, data)
                 self._apply_event(msg)
                 self.version += 1
         elif isinstance(msg, History):
@@ -622,6 +630,28 @@ class RunState:
             self.steps_per_s = inst if self.steps_per_s == 0 else 0.5 * inst + 0.5 * self.steps_per_s
             self._rate_t, self._rate_step = now, step
 
+    def _set_paused(self, paused: bool, now: float, step: int, data: dict[str, Any] | None = None) -> None:
+        """PAUSED with the step, since when (viewer clock) and why; from events, or heartbeats that
+        say so (a viewer that joins a paused run sees it within a second)."""
+        if paused and not self.paused:
+            self.paused_at = now
+        self.paused = paused
+        if paused:
+            self.paused_step = int(step) if isinstance(step, int) else None
+            if data:
+                self.pause_reason = clean(data.get("reason", ""), 120)
+                rank = data.get("debug_rank")
+                self.pause_debug_rank = rank if isinstance(rank, int) else None
+        else:
+            self.paused_step = self.paused_at = None
+            self.pause_reason = ""
+            self.pause_debug_rank = None
+        self.version += 1
+
+    def paused_for(self, now: float) -> float | None:
+        """Seconds the run has been paused (viewer clock), or None."""
+        return None if not self.paused or self.paused_at is None else max(0.0, now - self.paused_at)
+
     def _apply_event(self, e: Event) -> None:
         name = e.event
         data = e.data if isinstance(e.data, dict) else {}
@@ -633,10 +663,8 @@ class RunState:
             self.raise_alert(Draft("critical", "crashed", None, msg or "the training script crashed",
                                    {}, "Read the trainer's traceback; the last steps before it are on the plots."),
                              e.step, e.ts, force=True)
-        elif name == "paused":
-            self.paused = True
-        elif name == "resumed":
-            self.paused = False
+        elif name in ("paused", "resumed"):
+            pass  # handled in apply(), which knows the viewer's clock
         elif name == "alert":
             sev = data.get("severity", "warning")
             layer = data.get("layer")

@@ -15,11 +15,14 @@ STATE_STYLE = {
 
 def status_text(*, conn: str, name: str | None, run: str | None, host: str | None, pid: int | None, ranks: int,
                 step: int | None, steps_per_s: float, dropped: int, rejected: int, frozen: bool, paused: bool,
-                reason: str = "", recording: str | None = None) -> Text:
+                reason: str = "", recording: str | None = None, paused_step: int | None = None,
+                paused_for: float | None = None) -> Text:
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append(f" {conn} ", style=STATE_STYLE.get(conn, "reverse"))
     if paused:
-        t.append(" PAUSED ", style="bold black on magenta")
+        at = f" at step {paused_step}" if paused_step is not None else ""
+        since = f" {int(paused_for) // 60}:{int(paused_for) % 60:02d}" if paused_for is not None else ""
+        t.append(f" PAUSED{at}{since} ", style="bold black on magenta")
     if frozen:
         t.append(" FROZEN ", style="bold black on cyan")
     t.append(" ")
