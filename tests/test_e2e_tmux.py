@@ -1,4 +1,4 @@
-"""End to end in a real terminal: tmux runs the viewer beside a real demo trainer (nan-input).
+"""End to end in a real terminal: tmux runs the viewer beside real trainers.
 
 What a user sees: layer names, plots and the non-finite alert; killing the trainer turns the state
 to CRASHED (or LOST) while the viewer keeps running; a restarted trainer with the same name brings
@@ -7,6 +7,7 @@ LIVE back; q quits.
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import subprocess
@@ -80,3 +81,61 @@ def test_viewer_in_tmux_follows_a_real_trainer(runtime: Path) -> None:
         trainer.kill()
         trainer.wait()
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def _steps_per_s(screen: str) -> float | None:
+    m = re.search(r"([0-9.]+) steps/s", screen)
+    return float(m.group(1)) if m else None
+
+
+def test_pause_into_pdb_from_the_viewer_in_tmux(runtime: Path) -> None:
+    """P, confirm, `p step` in the console shows the number, `c` resumes and steps/s recovers.
+
+    The trainer has no terminal (stdin=/dev/null, its own session), as under nohup or Slurm."""
+    name = f"e2e-{uuid.uuid4().hex[:6]}"
+    session = f"gw{uuid.uuid4().hex[:6]}"
+    env = child_env(runtime)
+    exports = " ".join(f"{k}={v!s}" for k, v in env.items() if k in ("GRADWATCH_RUNTIME_DIR", "PYTHONPATH"))
+    viewer = f"env -u COLUMNS -u LINES {exports} {PY} -m gradwatch attach {name} --wait --no-record"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "150", "-y", "45", "sleep 600"], check=True)
+    subprocess.run(["tmux", "set-option", "-t", session, "window-size", "manual"], check=True)
+    subprocess.run(["tmux", "resize-window", "-t", session, "-x", "150", "-y", "45"], check=True)
+    subprocess.run(["tmux", "respawn-pane", "-k", "-t", session, viewer], check=True)
+    trainer = subprocess.Popen([PY, str(ROOT / "tests" / "_trainer.py"), "1000000", "--pace", "0.02", "--name", name],
+                               env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+
+    def keys(*k: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", session, *k], check=True)
+
+    try:
+        screen = _wait_for(session, lambda s: " LIVE " in s and (_steps_per_s(s) or 0) > 5)
+        before = _steps_per_s(screen)
+        assert before is not None
+        keys("P")
+        _wait_for(session, lambda s: "Pause" in s and "safe point" in s)
+        keys("y")
+        screen = _wait_for(session, lambda s: "(Pdb)" in s and "PAUSED" in s)
+        keys("p step", "Enter")
+        screen = _wait_for(session, lambda s: "(Pdb) p step" in s and s.count("(Pdb)") >= 2)
+        lines = screen.splitlines()
+        at = next(i for i, line in enumerate(lines) if "(Pdb) p step" in line)
+        m = re.fullmatch(r"[^\w]*?(\d+)[^\w]*", lines[at + 1])  # the number alone on its line, inside borders
+        assert m, lines[at:at + 3]
+        value = m.group(1)
+        assert f"PAUSED at step {value}" in screen  # the header agrees with pdb
+        keys("c", "Enter")
+        screen = _wait_for(session, lambda s: "PAUSED" not in s and "(Pdb)" not in s
+                           and (_steps_per_s(s) or 0) >= 0.5 * before, timeout=30)
+        keys("q")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode != 0:
+                break
+            time.sleep(0.2)
+        assert trainer.poll() is None  # quitting the viewer leaves the trainer running
+    finally:
+        trainer.kill()
+        _out, err = trainer.communicate(timeout=10)
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    assert f"paused at step {value}" in err and "BdbQuit" not in err

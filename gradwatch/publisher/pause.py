@@ -438,7 +438,7 @@ class StoreCoordinator(threading.Thread):
         self._committed: dict[str, Round] = {}  # rounds this rank stops for, step not reached yet
         self._mine: dict[str, tuple[int, int]] = {}  # open rounds of this rank's viewer: id -> (tries, lead)
         self._active: str | None = None  # the round this rank is paused in
-        self._released = False
+        self._released_id: str | None = None  # the last round seen released (ids: no stale flag across rounds)
         self._ref: tuple[float, int] | None = None
         self._rates: deque[float] = deque(maxlen=4)
         self.polls = 0
@@ -526,9 +526,9 @@ class StoreCoordinator(threading.Thread):
         if self._mine:
             self._follow_mine()
         active = self._active
-        if active is not None and not self._released and store.check([f"r/{active}/resume"]):
-            self._released = True
-            if self.pc.channel is not None:
+        if active is not None and self._released_id != active and store.check([f"r/{active}/resume"]):
+            self._released_id = active
+            if self.pc.channel is not None and self._active == active:
                 self.pc._end("resumed from another rank")
 
     def _measure(self) -> None:
@@ -665,7 +665,6 @@ class StoreCoordinator(threading.Thread):
             key = f"r/{chosen.id}/debug"
             debug = int(self.store.get(key)) if self.store.check([key]) else chosen.debug
             chosen.debug = debug if 0 <= debug < pc.world else 0
-            self._released = False
             self._active = chosen.id
         return chosen, agreed, why
 
@@ -692,9 +691,9 @@ class StoreCoordinator(threading.Thread):
     def release(self) -> None:
         """Resume every rank of the active round (from the debugging rank, or a viewer anywhere)."""
         active = self._active
-        if active is not None and not self._released:
-            self._released = True
+        if active is not None and self._released_id != active:
             self.store.set(f"r/{active}/resume", "1")
+            self._released_id = active
 
     def end_round(self, release: bool) -> None:
         if release:
@@ -702,7 +701,9 @@ class StoreCoordinator(threading.Thread):
         self._active = None
 
     def released(self) -> bool:
-        return self._released
+        """Is the round this rank is paused in released?"""
+        active = self._active
+        return active is not None and self._released_id == active
 
 
 def _parse(raw: bytes) -> Round | None:

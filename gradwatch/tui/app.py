@@ -122,7 +122,7 @@ class GradwatchApp(App[None]):
         self._source: Source | None = None
         self._link: ControlLink | None = None
         self._link_run: str | None = None
-        self.console: DebugConsole | None = None
+        self.debug_console: DebugConsole | None = None
         self._was_paused = False
 
     # ------------------------------------------------------------------ layout
@@ -227,7 +227,7 @@ class GradwatchApp(App[None]):
                     table = self._table_data()
                     alerts = list(self.state.alerts)
             self.query_one("#status", StatusBar).update(status_text(**status))
-            if newly_paused and self.console is None:
+            if newly_paused and self.debug_console is None:
                 why = self.state.pause_reason
                 self.notify(f"the trainer paused at step {status['paused_step']}{': ' + why if why else ''}; "
                             f"d opens its debugger, c resumes it", severity="warning", timeout=8)
@@ -455,19 +455,19 @@ class GradwatchApp(App[None]):
         link = self._ensure_link()
         if link is None:
             return
-        if self.console is None:
+        if self.debug_console is None:
             step = self.state.paused_step
             title = (f" PAUSED at step {step}: pdb " if self.state.paused and step is not None
                      else " waiting for the trainer's next safe point... ")
-            self.console = DebugConsole(title, send=lambda line: link.submit("input", line=line),
+            self.debug_console = DebugConsole(title, send=lambda line: link.submit("input", line=line),
                                         leave=self._leave_console, abort=self._confirm_abort)
-            self.push_screen(self.console)
+            self.push_screen(self.debug_console)
         link.submit(command, **({"reason": "requested from the viewer"} if command == "pause" else {}))
 
     def _leave_console(self) -> None:
         if self._link is not None:
             self._link.submit("detach")
-        self.console = None
+        self.debug_console = None
 
     def _confirm_abort(self) -> None:
         def answer(yes: bool | None) -> None:
@@ -478,7 +478,7 @@ class GradwatchApp(App[None]):
                                        "step, as Ctrl-C would: the job stops.", yes="Abort run", no="Cancel"), answer)
 
     def _on_control_reply(self, reply: Any) -> None:
-        console = self.console
+        console = self.debug_console
         data = reply.data
         if "out" in data and console is not None:
             console.show_output(str(data["out"]))
@@ -488,7 +488,7 @@ class GradwatchApp(App[None]):
         elif event == "resumed":
             if console is not None:
                 console.show_output(f"\n-- training resumed at step {data.get('step')} ({data.get('why', '')})\n")
-                self.console = None
+                self.debug_console = None
                 while console in self.screen_stack and self.screen is not console:
                     self.pop_screen()  # e.g. an abort confirmation still open
                 if self.screen is console:
@@ -501,8 +501,8 @@ class GradwatchApp(App[None]):
                 self.notify(str(reply.message)[:200], severity="warning", timeout=5)
 
     def _on_control_error(self, message: str) -> None:
-        if self.console is not None:
-            self.console.show_output(f"gradwatch: {message}\n")
+        if self.debug_console is not None:
+            self.debug_console.show_output(f"gradwatch: {message}\n")
         self.notify(f"control: {message}"[:200], severity="error", timeout=6)
 
     def on_unmount(self) -> None:

@@ -635,6 +635,8 @@ class RunState:
         say so (a viewer that joins a paused run sees it within a second)."""
         if paused and not self.paused:
             self.paused_at = now
+            self.steps_per_s = 0.0  # no steps while paused: say so, and measure afresh on resume
+            self._rate_t = None
         self.paused = paused
         if paused:
             self.paused_step = int(step) if isinstance(step, int) else None
