@@ -46,7 +46,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"run": r.run, "name": r.name, "state": r.state, "host": r.host, "pid": r.pid,
                            "rank": r.rank, "world_size": r.world_size, "started": r.started, "ended": r.ended,
-                           "stream": r.stream, "connection_file": str(r.path)} for r in runs], indent=1))
+                           "stream": r.stream, "control": r.control, "connection_file": str(r.path)} for r in runs],
+                         indent=1))
         return 0
     if not runs:
         print("no gradwatch runs; start one with gradwatch.watch(model, optimizer) in a training script",
@@ -265,6 +266,8 @@ def cmd_view(args: argparse.Namespace) -> int:
     recorder = None if args.no_record else SessionRecorder()
     spec = getattr(args, "run", None)
     endpoint = getattr(args, "connect", None)
+    if getattr(args, "control", None):
+        check_endpoint(args.control)
     if endpoint:
         check_endpoint(endpoint)
         spec_info = dataclasses.replace(find_run(spec), stream=endpoint, state="live")
@@ -273,7 +276,7 @@ def cmd_view(args: argparse.Namespace) -> int:
         if not getattr(args, "wait", False):
             find_run(spec)  # a clear one-line error now, rather than a viewer waiting forever for a typo
         app = make_app(lambda: LiveSource(spec, record=recorder, endpoint=endpoint), read_only=args.read_only,
-                       recording=recorder)
+                       recording=recorder, control_endpoint=getattr(args, "control", None))
         return _run_viewer(app)
     live = [r for r in list_runs()[0] if r.state == "live"]
     if len(live) > 1:
@@ -342,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     attach = sub.add_parser("attach", help="open the viewer on one run")
     attach.add_argument("run", help="run id, name, pid or connection file")
     attach.add_argument("--connect", metavar="ENDPOINT", help="read from this endpoint (e.g. an ssh-forwarded socket)")
+    attach.add_argument("--control", metavar="ENDPOINT",
+                        help="send pause/debug commands to this endpoint (the run's control socket, forwarded)")
     attach.add_argument("--wait", action="store_true", help="wait for the run to appear instead of failing")
     _viewer_flags(attach)
     debug = sub.add_parser("debug", help="pause a run at its next safe point and open its pdb here")

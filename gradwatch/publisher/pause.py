@@ -556,7 +556,7 @@ class StoreCoordinator(threading.Thread):
         with pc._lock:
             if rnd.id in self._voted or self._stop_evt.is_set():
                 return None
-            commit = pc.checked < rnd.target
+            commit = True
             self._voted[rnd.id] = commit
             if commit:
                 self._committed[rnd.id] = rnd

@@ -21,9 +21,8 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Input, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from gradwatch.tui.control import ControlLink
+from gradwatch.tui.pause import PauseActions
 from gradwatch.tui.screens.confirm import ConfirmScreen
-from gradwatch.tui.screens.console import DebugConsole
 from gradwatch.tui.screens.help import HelpScreen
 from gradwatch.tui.screens.picker import PickerScreen
 from gradwatch.tui.sources import Source
@@ -50,15 +49,10 @@ WAITING_TEXT = (
     "    ...  loss.backward(); gw.step(loss); optimizer.step()\n\n"
     "Or try it now: gradwatch demo (synthetic), ./scripts/demo (a real trainer)."
 )
-PAUSE_NO_CONTROL = ("Pause the trainer into pdb?\n\nThis run accepts no commands: it was started with control=False, "
-                    "or over TCP without CURVE support, or this is a replay. Nothing was sent.")
-PAUSE_READ_ONLY = "This viewer is read-only (--read-only): it never sends anything to the trainer."
-PAUSE_CONFIRM = ("Pause {name} at its next safe point -- after backward, before optimizer.step() -- and open its "
-                 "debugger here?{ranks}\n\nThe job waits while you debug. 'c' in pdb, Esc or 'c' in the viewer "
-                 "continue it; if this viewer dies, the job continues by itself within seconds.")
 
 
-class GradwatchApp(App[None]):
+
+class GradwatchApp(PauseActions, App[None]):
     """Live (or replayed) telemetry of one training run."""
 
     CSS_PATH = "app.tcss"
@@ -99,7 +93,7 @@ class GradwatchApp(App[None]):
     def __init__(self, source_factory: Callable[[], Source] | None = None, *, runs_to_pick: Sequence[Any] = (),
                  pick: Callable[[Any], Callable[[], Source]] | None = None, read_only: bool = False,
                  refresh_hz: float = 8.0, capacity: int = 2000, clock: Callable[[], float] = time.monotonic,
-                 recording: Any = None) -> None:
+                 recording: Any = None, control_endpoint: str | None = None) -> None:
         super().__init__()
         self.state = RunState(capacity=capacity)
         self._lock = threading.RLock()
@@ -120,6 +114,7 @@ class GradwatchApp(App[None]):
         self.recording = recording
         self.errors = 0
         self._source: Source | None = None
+        self._control_endpoint = control_endpoint
         self._link: ControlLink | None = None
         self._link_run: str | None = None
         self.debug_console: DebugConsole | None = None
@@ -381,133 +376,6 @@ class GradwatchApp(App[None]):
         self._start_source()
         self.notify("reconnecting", timeout=2)
 
-    # ------------------------------------------------------------------ pause and debug (commands to the trainer)
-
-    def _can_control(self) -> bool:
-        sc = self.state.schema
-        return bool(sc is not None and sc.control and not self.read_only and self._control_info() is not None)
-
-    def _control_info(self) -> Any:
-        """The connection file of the run to command: the attached run, or, while another rank of the
-        same job holds the debugger, that rank's run."""
-        info = getattr(self._source, "current", None)
-        rank = self.state.pause_debug_rank
-        sc = self.state.schema
-        if info is None or sc is None or rank is None or rank == sc.rank:
-            return info
-        from gradwatch.transport import list_runs
-
-        for r in list_runs()[0]:
-            if r.state == "live" and r.name == info.name and r.rank == rank:
-                return r
-        return info
-
-    def action_pause_trainer(self) -> None:
-        if self.read_only or not self._can_control():
-            self.push_screen(ConfirmScreen(PAUSE_READ_ONLY if self.read_only else PAUSE_NO_CONTROL, no="Close",
-                                           can_confirm=False))
-            return
-        if self.state.paused:
-            self.action_debugger()
-            return
-        sc = self.state.schema
-        assert sc is not None
-        ranks = f"\n\nAll {sc.world_size} ranks of this job pause at the same step." if sc.world_size > 1 else ""
-        text = PAUSE_CONFIRM.format(name=repr(sc.name)[:60], ranks=ranks)
-        self.push_screen(ConfirmScreen(text, yes="Pause", no="Cancel"), self._pause_confirmed)
-
-    def _pause_confirmed(self, yes: bool | None) -> None:
-        if yes:
-            self._open_console("pause")
-
-    def action_debugger(self) -> None:
-        if self.read_only or not self._can_control():
-            self.notify("this viewer cannot command the trainer (read-only or control off)", timeout=4)
-            return
-        if not self.state.paused:
-            self.notify("the trainer is not paused; P pauses it", timeout=3)
-            return
-        self._open_console("attach")
-
-    def action_resume_trainer(self) -> None:
-        if not self.state.paused or self.read_only or not self._can_control():
-            return
-        link = self._ensure_link()
-        if link is not None:
-            link.submit("resume")
-            self.notify("resuming the trainer", timeout=2)
-
-    def _ensure_link(self) -> ControlLink | None:
-        info = self._control_info()
-        if info is None:
-            return None
-        if self._link is not None and self._link_run == info.run and self._link.is_alive():
-            return self._link
-        if self._link is not None:
-            self._link.close()
-        link = ControlLink(info, lambda reply: self.call_from_thread(self._on_control_reply, reply),
-                           on_error=lambda msg: self.call_from_thread(self._on_control_error, msg))
-        link.start()
-        self._link, self._link_run = link, info.run
-        return link
-
-    def _open_console(self, command: str) -> None:
-        link = self._ensure_link()
-        if link is None:
-            return
-        if self.debug_console is None:
-            step = self.state.paused_step
-            title = (f" PAUSED at step {step}: pdb " if self.state.paused and step is not None
-                     else " waiting for the trainer's next safe point... ")
-            self.debug_console = DebugConsole(title, send=lambda line: link.submit("input", line=line),
-                                        leave=self._leave_console, abort=self._confirm_abort)
-            self.push_screen(self.debug_console)
-        link.submit(command, **({"reason": "requested from the viewer"} if command == "pause" else {}))
-
-    def _leave_console(self) -> None:
-        if self._link is not None:
-            self._link.submit("detach")
-        self.debug_console = None
-
-    def _confirm_abort(self) -> None:
-        def answer(yes: bool | None) -> None:
-            if yes and self._link is not None:
-                self._link.submit("abort", confirm=True)
-
-        self.push_screen(ConfirmScreen("Abort the training run?\n\nThe trainer raises KeyboardInterrupt at this "
-                                       "step, as Ctrl-C would: the job stops.", yes="Abort run", no="Cancel"), answer)
-
-    def _on_control_reply(self, reply: Any) -> None:
-        console = self.debug_console
-        data = reply.data
-        if "out" in data and console is not None:
-            console.show_output(str(data["out"]))
-        event = data.get("event")
-        if event == "paused" and console is not None:
-            console.set_title(f" PAUSED at step {data.get('step')}: pdb ({str(data.get('reason', ''))[:80]}) ")
-        elif event == "resumed":
-            if console is not None:
-                console.show_output(f"\n-- training resumed at step {data.get('step')} ({data.get('why', '')})\n")
-                self.debug_console = None
-                while console in self.screen_stack and self.screen is not console:
-                    self.pop_screen()  # e.g. an abort confirmation still open
-                if self.screen is console:
-                    console.dismiss(None)
-            self.notify(f"training resumed ({str(data.get('why', ''))[:80]})", timeout=3)
-        if not reply.ok and reply.message:
-            if console is not None:
-                console.show_output(f"gradwatch: {reply.message}\n")
-            else:
-                self.notify(str(reply.message)[:200], severity="warning", timeout=5)
-
-    def _on_control_error(self, message: str) -> None:
-        if self.debug_console is not None:
-            self.debug_console.show_output(f"gradwatch: {message}\n")
-        self.notify(f"control: {message}"[:200], severity="error", timeout=6)
-
-    def on_unmount(self) -> None:
-        if self._link is not None:
-            self._link.close(detach=True)
 
     def on_data_table_row_selected(self, event: HeatTable.RowSelected) -> None:
         self.selected_layer = int(event.row_key.value) if event.row_key.value is not None else None

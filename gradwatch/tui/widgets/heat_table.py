@@ -92,7 +92,8 @@ class HeatTable(DataTable[Any]):
 
         ``keep``: the layer the user selected; the cursor follows it when rows move. Without a
         selection the cursor stays on the top row (the most anomalous one with the default sort).
-        Returns True while a re-sort is pending (the caller should come back even if no data arrives).
+        Returns True while a re-sort is pending, or right after a rebuild (the caller should come back
+        even if no data arrives).
         """
         now = time.monotonic()
         by_key = {str(r.index): r for r in rows}
@@ -108,7 +109,9 @@ class HeatTable(DataTable[Any]):
             self._sorted_at = now
             if keep is not None and str(keep) in order:
                 self.move_cursor(row=order.index(str(keep)), animate=False)
-            return False
+            # come back once: the rows were built for the window as laid out now (possibly not yet
+            # laid out at all), and the next frame fills the heat of the rows really on screen
+            return True
         lo, hi = self.visible_window()
         for key in self._order[lo:hi]:
             row = by_key.get(key)
