@@ -361,7 +361,7 @@ def find_run(spec: str | None, base: Path | None = None) -> RunInfo:
                 raise TransportError(f"no live run (the newest, {runs[0].name!r}, {runs[0].state}); "
                                      f"see `gradwatch ls` and pass one explicitly")
             raise TransportError("no gradwatch runs found; start a training script with gradwatch.watch(...)")
-        return live[0]
+        return _lowest_rank(live)
     if "://" in spec:
         matches = [r for r in runs if r.stream == spec or r.control == spec]
         if not matches:
@@ -374,4 +374,13 @@ def find_run(spec: str | None, base: Path | None = None) -> RunInfo:
     if not exact:
         raise TransportError(f"no run matches {spec!r}; see `gradwatch ls`")
     live = [r for r in exact if r.state == "live"]
-    return (live or exact)[0]
+    return _lowest_rank(live) if live else exact[0]
+
+
+def _lowest_rank(runs: list[RunInfo]) -> RunInfo:
+    """The newest run, or -- for the ranks of one distributed job (same name, started together) --
+    its lowest rank: the one a viewer attaches to and pauses by default."""
+    newest = runs[0]
+    job = [r for r in runs if r.name == newest.name and r.world_size == newest.world_size
+           and abs(r.started - newest.started) < 120]
+    return min(job, key=lambda r: r.rank)

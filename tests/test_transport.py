@@ -143,6 +143,22 @@ def test_find_run_resolves_names_ids_pids_and_files(runtime: Path) -> None:
         gradwatch.connect("alpha")
 
 
+def test_a_distributed_job_resolves_to_its_lowest_rank(runtime: Path) -> None:
+    """The ranks of one torchrun job share a name: a viewer attaches to (and pauses through) rank 0,
+    whichever rank started last."""
+    import socket
+    import time as _time
+
+    now = _time.time()
+    for run, rank, started in (("r0job", 0, now), ("r1job", 1, now + 1.0), ("r2job", 2, now + 0.5)):
+        transport.write_connection_file(transport.RunInfo(
+            run=run, name="ddp", host=socket.gethostname(), pid=os.getpid(), started=started,
+            stream="ipc:///nowhere", key=b"k" * 32, rank=rank, world_size=3))
+    assert transport.find_run("ddp").run == "r0job"
+    assert transport.find_run(None).run == "r0job"
+    assert transport.find_run("r2job").rank == 2  # an explicit id still wins
+
+
 def test_explicit_all_interfaces_bind_warns(runtime: Path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
