@@ -144,3 +144,27 @@ def test_console_output_is_made_safe() -> None:
     out = safe_output(hostile)
     assert "\x1b" not in out and "\x9b" not in out and "\u202e" not in out and "\x07" not in out
     assert out.endswith("\n\tnext")  # newlines and tabs are kept
+
+
+def test_viewer_switches_auto_pause_on_at_run_time(runtime: Path) -> None:
+    p, run = start_trainer(runtime, "100000", "--pace", "0.01")
+
+    async def go() -> None:
+        app = make_app(lambda: LiveSource(run))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.state.conn is Conn.LIVE, "LIVE")
+            await pilot.press("N")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the confirm dialog")
+            await pilot.press("y")
+            await until(pilot, lambda: app._remote_pause_on == ["nonfinite"], "the trainer's confirmation")
+            await pilot.press("N")  # and off again, without asking
+            await until(pilot, lambda: app._remote_pause_on == [], "switched off")
+
+    try:
+        asyncio.run(go())
+        with gradwatch.control(run) as ctl:
+            assert ctl.hello()["pause_on"] == []
+    finally:
+        p.kill()
+        _out, err = p.communicate(timeout=10)
+    assert err.count("control: pause_on from viewer session") == 2

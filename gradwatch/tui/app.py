@@ -72,6 +72,8 @@ class GradwatchApp(PauseActions, App[None]):
                 tooltip="Open the debugger of a paused trainer"),
         Binding("c", "resume_trainer", "continue", id="resume_trainer", show=False,
                 tooltip="Resume a paused trainer"),
+        Binding("N", "toggle_pause_on", "pause on NaN", id="toggle_pause_on", show=False, key_display="N",
+                tooltip="Auto-pause the trainer before a NaN/Inf gradient reaches the weights (toggle)"),
         Binding("escape", "clear", "clear", show=False, id="clear"),
     ]
 

@@ -33,6 +33,8 @@ class PauseActions:
     _link: ControlLink | None = None
     _link_run: str | None = None
     _control_endpoint: str | None = None
+    _remote_pause_on: list[str] | None = None  # the trainer's pause_on, as it last told us
+    _toggle_pending = False
 
     def _can_control(self) -> bool:
         sc = self.state.schema
@@ -115,7 +117,7 @@ class PauseActions:
             title = (f" PAUSED at step {step}: pdb " if self.state.paused and step is not None
                      else " waiting for the trainer's next safe point... ")
             self.debug_console = DebugConsole(title, send=lambda line: link.submit("input", line=line),
-                                        leave=self._leave_console, abort=self._confirm_abort)
+                                              leave=self._leave_console, abort=self._confirm_abort)
             self.push_screen(self.debug_console)
         link.submit(command, **({"reason": "requested from the viewer"} if command == "pause" else {}))
 
@@ -132,9 +134,42 @@ class PauseActions:
         self.push_screen(ConfirmScreen("Abort the training run?\n\nThe trainer raises KeyboardInterrupt at this "
                                        "step, as Ctrl-C would: the job stops.", yes="Abort run", no="Cancel"), answer)
 
+    def action_toggle_pause_on(self) -> None:
+        """Switch the trainer's auto-pause on non-finite loss/gradients (asks before switching it on)."""
+        if self.read_only or not self._can_control():
+            self.notify("this viewer cannot command the trainer (read-only or control off)", timeout=4)
+            return
+        link = self._ensure_link()
+        if link is None:
+            return
+        if self._remote_pause_on is None:  # ask the trainer what it is set to, then toggle
+            self._toggle_pending = True
+            link.submit("hello")
+            return
+        if "nonfinite" in self._remote_pause_on:
+            link.submit("pause_on", kinds=[])
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes and self._link is not None:
+                self._link.submit("pause_on", kinds=["nonfinite"])
+
+        self.push_screen(ConfirmScreen("Pause the trainer into pdb as soon as its loss or a gradient is NaN/Inf, "
+                                       "before optimizer.step() applies it?\n\nThe job then waits for a debugger "
+                                       "(d here, or gradwatch debug) up to its maximum pause time.",
+                                       yes="Switch on", no="Cancel"), answer)
+
     def _on_control_reply(self, reply: Any) -> None:
         console = self.debug_console
         data = reply.data
+        if isinstance(data.get("pause_on"), list):
+            was = self._remote_pause_on
+            self._remote_pause_on = [str(k) for k in data["pause_on"]]
+            if self._toggle_pending:
+                self._toggle_pending = False
+                self.action_toggle_pause_on()
+            elif was is not None and was != self._remote_pause_on:
+                self.notify(f"pause on non-finite: {'on' if self._remote_pause_on else 'off'}", timeout=3)
         if "out" in data and console is not None:
             console.show_output(str(data["out"]))
         event = data.get("event")
