@@ -600,11 +600,14 @@ def test_zap_handler_down_fails_closed() -> None:
         auth.stop()
         after, mon = _dealer(ctx, endpoint, keys, monitor=True)
         assert mon is not None
-        name = _monitor_event(mon, {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                                    zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_SUCCEEDED}, 10)
-        assert name.startswith("HANDSHAKE_FAILED"), name
         after.send(b"after ZAP stopped")
-        assert not sock.poll(500)
+        assert not sock.poll(1500)
+        # Usually HANDSHAKE_FAILED_NO_DETAIL at once; right after the stop the ZAP request can also go to the
+        # closing handler and the handshake hangs until HANDSHAKE_IVL. Either way: never a success.
+        seen = []
+        while mon.poll(0):
+            seen.append(zmq.Event(recv_monitor_message(mon)["event"]).name)
+        assert "CONNECTED" in seen and "HANDSHAKE_SUCCEEDED" not in seen, seen
     finally:
         sock.close(linger=0)
         auth.stop()

@@ -97,6 +97,7 @@ def test_pause_without_terminal_evaluate_and_continue(runtime: Path) -> None:
     assert "LOOP_END" in out
     assert "BdbQuit" not in err and "Traceback" not in err
     assert f"paused at step {step}" in err and "control: pause from viewer session" in err  # the audit trail
+    assert "control: pdb input 'p step' from viewer session" in err
 
 
 def test_stream_reports_paused_and_heartbeats_continue(runtime: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from gradwatch import protocol, transport
 from gradwatch.protocol import Command, DecodeError, Reply, ReplayGuard, Signer
+from gradwatch.text import clean
 
 #: Poll interval of the control thread (the latency of a command, and of debugger output).
 POLL_S = 0.02
@@ -54,10 +55,14 @@ class AuditLog:
         self._suppressed: Counter[str] = Counter()
 
     def accepted(self, cmd: Command) -> None:
-        if cmd.command in ("ping", "input", "hello"):
-            return  # keep-alives and typed lines: too chatty for a log
+        if cmd.command in ("ping", "hello"):
+            return  # keep-alives: too chatty for a log
         stamp = time.strftime("%H:%M:%S")
-        self._write(f"gradwatch: control: {cmd.command} from viewer session {cmd.session[:16]} at {stamp}")
+        what = cmd.command
+        if what == "input":  # what was typed into pdb is code run in the trainer: the audit trail keeps it
+            line = cmd.args.get("line")
+            what = f"pdb input {clean(line, 200)!r}" if isinstance(line, str) else "pdb input"
+        self._write(f"gradwatch: control: {what} from viewer session {clean(cmd.session, 16)} at {stamp}")
 
     def rejected(self, reason: str, detail: str = "") -> None:
         self.tick()
