@@ -76,6 +76,7 @@ class Controller:
         self.paused = False
         self.paused_step: int | None = None
         self.last_state: dict[str, Any] = {}
+        self.banner = ""  # pdb's greeting at the last pause (see wait_paused)
 
     # ------------------------------------------------------------------ sending
 
@@ -175,14 +176,24 @@ class Controller:
         """Debugger output received within ``timeout`` (replies without text are dropped)."""
         return "".join(str(r.data.get("out", "")) for r in self.poll(timeout))
 
-    def wait_paused(self, timeout: float = 30.0) -> int:
-        """Block until the trainer reports it is in the debugger; returns the step."""
+    def wait_paused(self, timeout: float = 30.0, prompt_timeout: float = 5.0) -> int:
+        """Block until the trainer reports it is paused; returns the step.
+
+        Then reads pdb's banner up to its first prompt (at most ``prompt_timeout`` s: a rank that
+        waits while another rank debugs prints none) into :attr:`banner`, so the next
+        :meth:`run_line` returns just its own answer."""
         deadline = time.monotonic() + timeout
         while not self.paused:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransportError(f"the trainer did not pause within {timeout:g} s")
             self._receive(min(left, 0.1))
+        text = ""
+        end = time.monotonic() + prompt_timeout
+        while not text.endswith(PROMPT) and time.monotonic() < end and self.paused:
+            for r in self.poll(0.05):
+                text += str(r.data.get("out", ""))
+        self.banner = text
         return int(self.paused_step or 0)
 
     def run_line(self, line: str, timeout: float = 10.0) -> str:

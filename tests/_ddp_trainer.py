@@ -7,8 +7,8 @@ started: stdin a tty? a controlling terminal? its own session?) and ``DONE <rank
 the loop. The process group has a short timeout (``--pg-timeout``, 5 s) so a rank that stops
 alone is noticed quickly: ``--naive-sleep STEP:SECONDS`` makes rank 0 simply ``time.sleep`` at one
 step, as if it sat in pdb, without any gradwatch coordination (the failure the store-agreed pause
-avoids). ``--no-gradwatch`` runs the same loop without gradwatch; ``--no-poller`` keeps gradwatch
-but stops its pause coordinator (for the overhead benchmark).
+avoids). ``--ddp`` wraps the model in DistributedDataParallel (gradients averaged during backward);
+otherwise the loop all-reduces them by hand after backward.
 """
 
 from __future__ import annotations
@@ -22,17 +22,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import gradwatch
+
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=300)
 p.add_argument("--pace", type=float, default=0.0, help="sleep this long after every step")
-p.add_argument("--work", type=float, default=0.0, help="busy compute of about this many seconds per step")
 p.add_argument("--pg-timeout", type=float, default=5.0)
 p.add_argument("--naive-sleep", default="", help="STEP:SECONDS: rank 0 sleeps at STEP, nothing coordinated")
-p.add_argument("--no-gradwatch", action="store_true")
-p.add_argument("--no-poller", action="store_true")
 p.add_argument("--max-pause", type=float, default=1800.0)
 p.add_argument("--ddp", action="store_true", help="DistributedDataParallel instead of a manual all_reduce")
-p.add_argument("--timing", action="store_true", help="print TIMING <rank> <mean step seconds> at the end")
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -68,14 +66,8 @@ def _fd_ok(fd: int) -> bool:
 
 
 print(f"TTY {rank} {_tty()}", flush=True)
-gw = None
-if not args.no_gradwatch:
-    import gradwatch
-
-    gw = gradwatch.watch(model, opt, name=f"ddp-rank{rank}", max_pause=args.max_pause)
-    if args.no_poller and gw._pausectl is not None and gw._pausectl.coord is not None:  # noqa: SLF001
-        gw._pausectl.coord.stop()  # noqa: SLF001
-    print(f"RUN {rank} {gw.run_id}", flush=True)
+gw = gradwatch.watch(model, opt, name=f"ddp-rank{rank}", max_pause=args.max_pause)
+print(f"RUN {rank} {gw.run_id}", flush=True)
 naive_step, naive_s = -1, 0.0
 if args.naive_sleep:
     a, b = args.naive_sleep.split(":")
@@ -83,23 +75,15 @@ if args.naive_sleep:
 
 gen = torch.Generator().manual_seed(1 + rank)
 x, y = torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)
-work = torch.randn(64, 64)
-times: list[float] = []
 dist.barrier()
 for step in range(args.steps):
-    t0 = time.perf_counter()
     loss = torch.nn.functional.mse_loss(net(x), y)
     loss.backward()
     if not args.ddp:
         for prm in model.parameters():
             dist.all_reduce(prm.grad)
             prm.grad /= world
-    if args.work:
-        end = time.perf_counter() + args.work
-        while time.perf_counter() < end:
-            work = torch.tanh(work @ work * 0.01)
-    if gw is not None:
-        gw.step(loss)  # the safe point: a pause agreed for this step stops every rank here
+    gw.step(loss)  # the safe point: a pause agreed for this step stops every rank here
     if rank == 0 and step == naive_step:
         print(f"NAIVE {rank} sleeping {naive_s:g} s at step {step}", flush=True)
         time.sleep(naive_s)
@@ -107,14 +91,8 @@ for step in range(args.steps):
     opt.zero_grad()
     if args.pace:
         time.sleep(args.pace)
-    times.append(time.perf_counter() - t0)
 dist.barrier()
-if args.timing:
-    body = times[len(times) // 5:]  # skip the warm-up
-    polls = gw._pausectl.coord.polls if gw is not None and gw._pausectl and gw._pausectl.coord else 0  # noqa: SLF001
-    print(f"TIMING {rank} {sum(body) / len(body):.9f} polls={polls}", flush=True)
-if gw is not None:
-    gw.close()
+gw.close()
 dist.destroy_process_group()
 print(f"DONE {rank} {args.steps}", flush=True)
 sys.exit(0)

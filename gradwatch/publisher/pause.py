@@ -26,6 +26,11 @@ rank through the c10d store, never through a collective. Each rank runs a backgr
    the round's resume key (no collective in flight, so no process-group timeout can fire); resume
    from any rank, or the end of the debug session, sets that key and releases all of them.
 
+``pause_on`` triggers fire on the training thread at step ``S`` itself: ranks that see the condition
+at the same step (DDP: identical gradients) join one round, the first to announce it debugs; if
+another rank has already passed ``S`` the round is skipped. Only then, and at an agreed step ``S``
+(reading the votes), does the training thread touch the store.
+
 Every pause ends: continue in pdb (or ``q``/EOF), ``resume`` from any viewer, the debugging viewer
 going silent for :data:`SESSION_LOST_S`, or ``max_pause`` seconds.
 """
@@ -35,7 +40,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -483,7 +487,9 @@ class StoreCoordinator(threading.Thread):
             return
         for rnd in pending:
             try:
-                self.store.compare_set(f"r/{rnd.id}/decision", "", f"rank {pc.rank} stopped watching")
+                decided = self.store.compare_set(f"r/{rnd.id}/decision", "", f"rank {pc.rank} stopped watching")
+                if decided == b"pause":  # too late: the others stop there; do not leave them waiting
+                    self.store.set(f"r/{rnd.id}/resume", "1")
             except Exception:  # noqa: BLE001
                 pass
         try:
@@ -556,7 +562,7 @@ class StoreCoordinator(threading.Thread):
         with pc._lock:
             if rnd.id in self._voted or self._stop_evt.is_set():
                 return None
-            commit = True
+            commit = pc.checked < rnd.target
             self._voted[rnd.id] = commit
             if commit:
                 self._committed[rnd.id] = rnd
