@@ -59,7 +59,7 @@ class DebugConsole(ModalScreen[None]):
             yield Static(self._title, id="console-title", markup=False)
             yield Static(HINT, id="console-hint", markup=False)
             yield Log(id="console-log", max_lines=5000, auto_scroll=True)
-            yield Input(placeholder="pdb command (waiting for the trainer's safe point...)", id="console-input")
+            yield Input(placeholder="pdb command, then Enter", id="console-input")
 
     def on_mount(self) -> None:
         self.query_one("#console-input", Input).focus()

@@ -12,7 +12,12 @@ from textual.widgets import Static
 REMOTE = (
     "Remote jobs: run the viewer next to the job with  ssh -t HOST gradwatch  , or forward the run's\n"
     "socket:  ssh -N -L /tmp/gw.s:<stream path from `gradwatch ls --json`> HOST  and\n"
-    "gradwatch attach <copied connection file> --connect ipc:///tmp/gw.s"
+    "gradwatch attach <copied connection file> --connect ipc:///tmp/gw.s\n"
+    "To pause and debug from there too, forward the control socket (`control` in the same JSON) and add\n"
+    "--control ipc:///tmp/gw.c\n\n"
+    "Pause into pdb: P pauses the trainer at its next step boundary (after backward, before\n"
+    "optimizer.step()) and opens its debugger here; in pdb, c / q / Ctrl-D continue training. If this\n"
+    "viewer dies, the trainer continues by itself within seconds. N: auto-pause on NaN/Inf gradients."
 )
 
 
