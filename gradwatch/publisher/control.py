@@ -25,8 +25,11 @@ from gradwatch import protocol, transport
 from gradwatch.protocol import Command, DecodeError, Reply, ReplayGuard, Signer
 from gradwatch.text import clean
 
-#: Poll interval of the control thread (the latency of a command, and of debugger output).
+#: Poll interval of the control thread while something is going on (a pause pending or in progress):
+#: the latency of debugger output. Commands themselves wake the thread at once.
 POLL_S = 0.02
+#: Poll interval when idle: fewer wake-ups (GIL hand-overs) for a training loop that is never paused.
+IDLE_POLL_S = 0.25
 #: Largest command frame accepted (a typed pdb line is tiny).
 MAX_COMMAND_BYTES = 64 * 1024
 #: Rejected commands logged one by one per minute; the rest are summarised once a minute.
@@ -105,10 +108,14 @@ class ControlServer(threading.Thread):
     """Receives commands on a ROUTER socket and hands verified ones to ``handler`` (in this thread).
 
     ``handler(cmd)`` must not block; it returns ``(ok, message, data)`` to reply or None.
+    ``busy()`` says whether output may be queued from other threads soon (a pause pending or in
+    progress): then the outbox is flushed every :data:`POLL_S`, otherwise the thread sleeps in its
+    poll for :data:`IDLE_POLL_S` (a command arriving wakes it at once either way).
     """
 
     def __init__(self, sock: Any, signer: Signer, handler: Callable[[Command], Any], *,
-                 audit: AuditLog | None = None, on_stop: Callable[[], None] | None = None) -> None:
+                 audit: AuditLog | None = None, on_stop: Callable[[], None] | None = None,
+                 busy: Callable[[], bool] | None = None) -> None:
         super().__init__(name="gradwatch-control", daemon=True)
         self._sock = sock
         self._signer = signer
@@ -116,6 +123,7 @@ class ControlServer(threading.Thread):
         self._guard = ReplayGuard()
         self.audit = audit or AuditLog()
         self._on_stop = on_stop
+        self._busy = busy
         self._routes: dict[str, bytes] = {}
         self._seen: dict[str, float] = {}
         self._outbox: deque[tuple[str, Reply]] = deque(maxlen=4096)
@@ -149,7 +157,8 @@ class ControlServer(threading.Thread):
         try:
             while not self._stop_flag:
                 try:
-                    if sock.poll(int(POLL_S * 1000), zmq.POLLIN):
+                    wait = POLL_S if self._outbox or self._busy is None or self._busy() else IDLE_POLL_S
+                    if sock.poll(int(wait * 1000), zmq.POLLIN):
                         for _ in range(256):  # bounded per turn: a flood cannot starve the outbox
                             try:
                                 parts = sock.recv_multipart(zmq.NOBLOCK)

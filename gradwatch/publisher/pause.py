@@ -159,6 +159,10 @@ class PauseControl:
             return True, f"pause_on = {sorted(self.pause_on)}", self.describe()
         return False, f"unknown command {name[:40]!r}", {}
 
+    def busy(self) -> bool:
+        """A pause is pending or in progress (the control thread then flushes output every 20 ms)."""
+        return self.paused_step is not None or self.due is not None or self.request is not None
+
     def describe(self) -> dict[str, Any]:
         return {"paused": self.paused_step is not None, "step": self.paused_step if self.paused_step is not None
                 else self.checked, "rank": self.rank, "world": self.world, "pause_on": sorted(self.pause_on),

@@ -295,7 +295,7 @@ class Watcher:
         pc = PauseControl(rank=self._schema.rank, world=self._schema.world_size, max_pause=cfg.max_pause,
                           pause_on=cfg.pause_on, run=self.run_id, namespace=lambda: {}, event=self._emit,
                           log=_log_line)
-        server = ControlServer(self._control_sock, protocol.Signer(key), pc.handle)
+        server = ControlServer(self._control_sock, protocol.Signer(key), pc.handle, busy=pc.busy)
         pc.server = server
         self._pausectl, self._control = pc, server
         self._schema = dataclasses.replace(self._schema, control=True)
