@@ -168,3 +168,20 @@ def test_viewer_switches_auto_pause_on_at_run_time(runtime: Path) -> None:
         p.kill()
         _out, err = p.communicate(timeout=10)
     assert err.count("control: pause_on from viewer session") == 2
+
+
+def test_enter_on_the_pause_dialog_does_not_pause() -> None:
+    """The risky answer is never the default: Enter presses Cancel."""
+    from gradwatch.tui.app import GradwatchApp
+
+    async def go() -> None:
+        answers: list[bool | None] = []
+        app = GradwatchApp()
+        async with app.run_test(size=SIZE) as pilot:
+            app.push_screen(ConfirmScreen("Pause?", yes="Pause", no="Cancel"), answers.append)
+            await pilot.pause(0.2)
+            await pilot.press("enter")
+            await pilot.pause(0.2)
+        assert answers == [False]
+
+    asyncio.run(go())

@@ -18,6 +18,7 @@ class ConfirmScreen(ModalScreen[bool]):
     """
     BINDINGS = [Binding("escape,n", "answer(False)", "no", id="confirm.no"),
                 Binding("y", "answer(True)", "yes", id="confirm.yes")]
+    AUTO_FOCUS = "#no"  # Enter on a risky dialog must not be the risky answer
 
     def __init__(self, question: str, *, yes: str = "Yes", no: str = "Cancel", can_confirm: bool = True) -> None:
         super().__init__()
@@ -29,6 +30,8 @@ class ConfirmScreen(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Static(self._question, markup=False)
+            if self._can_confirm:
+                yield Static("y: yes   n / Esc: no", classes="keys", markup=False)
             with Horizontal():
                 if self._can_confirm:
                     yield Button(self._yes, variant="warning", id="yes")
