@@ -21,13 +21,14 @@ p.add_argument("--endpoint", default=None)
 p.add_argument("--linger", type=float, default=0.0, help="stay alive this long after the loop, before close()")
 p.add_argument("--max-pause", type=float, default=1800.0)
 p.add_argument("--no-control", action="store_true")
+p.add_argument("--debug-in", default="viewer")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 gw = gradwatch.watch(model, opt, name=args.name, endpoint=args.endpoint, max_pause=args.max_pause,
-                     control=not args.no_control)
+                     control=not args.no_control, debug_in=args.debug_in)
 if args.fault == "sign":
     class BadSigner:
         def sign(self, body: bytes) -> bytes:

@@ -380,3 +380,49 @@ def test_gradwatch_debug_cli_errors_are_one_line(runtime: Path) -> None:
                        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and r.stderr.startswith("gradwatch: error:")
     assert "Traceback" not in r.stderr
+
+
+def test_debug_in_terminal_uses_the_trainers_own_terminal(runtime: Path) -> None:
+    """debug_in="terminal" with a terminal on stdin: pdb talks on that terminal; the viewer sees PAUSED."""
+    import pty
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([PY, str(ROOT / "tests" / "_trainer.py"), "300", "--pace", "0.01", "--debug-in", "terminal"],
+                         cwd=ROOT, env=child_env(runtime), stdin=slave, stdout=slave, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    os.close(slave)
+    got = b""
+
+    def read_until(needle: bytes, timeout: float = 30) -> bytes:
+        nonlocal got
+        import select
+
+        end = time.monotonic() + timeout
+        while needle not in got:
+            assert time.monotonic() < end, got[-500:]
+            r, _, _ = select.select([master], [], [], 0.1)
+            if r:
+                got += os.read(master, 4096)
+        return got
+
+    try:
+        run = read_until(b"\n").split(b"RUN ", 1)[1].split()[0].decode()
+        with gradwatch.control(run) as ctl:
+            ctl.pause()
+            ctl.wait_paused(30, prompt_timeout=0.5)
+            assert ctl.banner == ""  # nothing comes over the channel: pdb is on the terminal
+            read_until(b"(Pdb) ")
+            os.write(master, b"p step * 10\n")
+            text = read_until(b"0\r\n(Pdb) ").decode(errors="replace")
+            step = ctl.paused_step
+            assert f"{step * 10}" in text
+            os.write(master, b"c\n")
+            end = time.monotonic() + 10
+            while ctl.paused and time.monotonic() < end:
+                ctl.poll(0.1)
+            assert not ctl.paused
+        read_until(b"LOOP_END")
+        assert p.wait(30) == 0
+    finally:
+        p.kill()
+        os.close(master)

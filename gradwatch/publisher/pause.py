@@ -322,13 +322,17 @@ class PauseControl:
                 self.server.send(self.session, {"event": "paused", "step": step, "reason": req.reason,
                                                 "debug_rank": debug_rank})
         try:
-            if me and terminal:
-                self.channel = None
-                debug_session(ns, None, BANNER.format(step=step, reason=req.reason))
-            elif me:
-                self._debug(step, req, ns)
+            if me and not terminal:
+                self._debug(step, req, ns)  # tells the viewer once the channel is ready for its lines
             else:
-                self._wait_for_release()
+                if self.server is not None and self.session:
+                    self.server.send(self.session, {"event": "paused", "step": step, "reason": req.reason,
+                                                    "debugging": False})
+                if me:  # pdb on the trainer's own terminal: the viewer only shows PAUSED
+                    self.channel = None
+                    debug_session(ns, None, BANNER.format(step=step, reason=req.reason))
+                else:
+                    self._wait_for_release()
         finally:
             took = self._clock() - (self.paused_since or self._clock())
             why = self.resume_why or "continued"
