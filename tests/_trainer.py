@@ -22,6 +22,7 @@ p.add_argument("--linger", type=float, default=0.0, help="stay alive this long a
 p.add_argument("--max-pause", type=float, default=1800.0)
 p.add_argument("--no-control", action="store_true")
 p.add_argument("--debug-in", default="viewer")
+p.add_argument("--loader-workers", type=int, default=0, help="draw batches from a DataLoader with N workers")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -44,7 +45,13 @@ elif args.fault == "send":
     gw.sender._sock = BadSocket(gw.sender._sock)  # type: ignore[union-attr]
 print(f"RUN {gw.run_id}", flush=True)
 x, y = torch.randn(16, 5), torch.randn(16, 1)
+batches = None
+if args.loader_workers:
+    data = torch.utils.data.TensorDataset(torch.randn(16 * args.steps, 5), torch.randn(16 * args.steps, 1))
+    batches = iter(torch.utils.data.DataLoader(data, batch_size=16, num_workers=args.loader_workers))
 for i in range(args.steps):
+    if batches is not None:
+        x, y = next(batches)
     if i == args.crash_at:
         raise RuntimeError("boom: the training script crashed")
     loss = torch.nn.functional.mse_loss(model(x), y)

@@ -426,3 +426,23 @@ def test_debug_in_terminal_uses_the_trainers_own_terminal(runtime: Path) -> None
     finally:
         p.kill()
         os.close(master)
+
+
+def test_pause_with_dataloader_workers_alive(runtime: Path) -> None:
+    """T-D5: DataLoader worker processes (forked: gradwatch is a no-op in them) wait while the main
+    process is paused, and the loader goes on after resume: no deadlock, every batch arrives."""
+    p, run = start_trainer(runtime, "150", "--pace", "0.01", "--loader-workers", "2")
+    try:
+        with gradwatch.control(run) as ctl:
+            ctl.pause()
+            step = ctl.wait_paused(30)
+            assert ctl.run_line("p inputs.shape").strip() == "torch.Size([16, 5])"
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 2.0:
+                ctl.poll(0.1)
+            ctl.resume()
+        rc, out, err = finish(p)
+    finally:
+        p.kill()
+    assert rc == 0, err[-2000:]
+    assert "LOOP_END" in out and f"resumed at step {step}" in err
