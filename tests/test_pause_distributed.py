@@ -8,6 +8,8 @@ launched like a batch job (stdin at /dev/null; torchrun's workers get their own 
 * the same 15 s stop done naively on rank 0 alone kills the job (so the first test is sensitive);
 * a viewer killed while debugging: every rank resumes once the session is lost, and finishes.
 
+A job stopped by its scheduler (SIGTERM) while paused exits within the agent's window.
+
 The vote protocol itself is checked in-process against a shared store, with ranks out of step
 and proposals that land too late, for the one property that matters: never a split.
 """
@@ -481,3 +483,34 @@ def test_auto_pause_is_one_round_when_every_rank_sees_it() -> None:
     assert pcs[0].due is None and pcs[1].due is None
     for pc in pcs:
         pc.close()
+
+
+@torchrun
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_while_paused_stops_every_worker(job_factory, runtime: Path) -> None:
+    """T-E5: the scheduler stops a job while it sits in the debugger (SIGTERM to torchrun, as Slurm's
+    scancel does): every worker exits inside the agent's 30 s window, and no worker is left behind."""
+    job = job_factory("--steps", "100000", "--pace", "0.02")
+    run0 = job.wait_for(r"RUN 0 (\S+)").group(1)
+    job.wait_for(r"RUN 1 (\S+)")
+    pids = [r.pid for r in gradwatch.runs() if r.state == "live"]
+    assert len(pids) == 2
+    with gradwatch.control(run0) as ctl:
+        ctl.pause(timeout=10)
+        ctl.wait_paused(timeout=30)
+        t0 = time.monotonic()
+        job.proc.send_signal(signal.SIGTERM)
+        job.proc.wait(35)
+        took = time.monotonic() - t0
+    assert took < 30, took
+    for pid in pids:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"worker {pid} outlived the job")
