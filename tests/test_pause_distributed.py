@@ -321,7 +321,7 @@ def test_vote_protocol_never_splits(seed: int) -> None:
     ahead when a proposal lands; proposals come from random ranks with leads of 0-60 steps (0: the
     proposer itself has passed it; a few steps: shorter than a poll, so some rank may have passed it).
     Every round either stops every rank at the same step or none."""
-    from gradwatch.publisher.pause import MAX_TRIES
+    from gradwatch.publisher.rounds import MAX_TRIES
 
     world, steps = 3, 300
     pcs, logs = _ranks(world)

@@ -22,7 +22,6 @@ from textual.widgets import Footer, Input, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from gradwatch.tui.pause import PauseActions
-from gradwatch.tui.screens.confirm import ConfirmScreen
 from gradwatch.tui.screens.help import HelpScreen
 from gradwatch.tui.screens.picker import PickerScreen
 from gradwatch.tui.sources import Source
@@ -117,9 +116,9 @@ class GradwatchApp(PauseActions, App[None]):
         self.errors = 0
         self._source: Source | None = None
         self._control_endpoint = control_endpoint
-        self._link: ControlLink | None = None
-        self._link_run: str | None = None
-        self.debug_console: DebugConsole | None = None
+        self._link = None  # PauseActions: the command link, opened on the first P/d/c/N
+        self._link_run = None
+        self.debug_console = None
         self._was_paused = False
 
     # ------------------------------------------------------------------ layout
