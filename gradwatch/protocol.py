@@ -136,6 +136,7 @@ class Schema:
     hyper: tuple[dict[str, float], ...] = ()
     every: int = 1
     control: bool = False
+    diagnose: bool = False  # the trainer runs the diagnosis rules and publishes ``alert`` events
     seq: int = 0
     ts: float = 0.0
 
@@ -393,6 +394,7 @@ def body_of(msg: Message) -> dict[str, Any]:
             "rank": msg.rank, "world": msg.world_size, "host": msg.host, "pid": msg.pid,
             "started": msg.started, "torch": msg.torch_version, "optimizer": msg.optimizer,
             "hyper": [dict(h) for h in msg.hyper], "every": msg.every, "control": msg.control,
+            "diagnose": msg.diagnose,
         }
     if isinstance(msg, Heartbeat):
         return {"k": "hb", "run": msg.run, "seq": msg.seq, "ts": msg.ts, "step": msg.step,
@@ -674,7 +676,7 @@ def _decode_schema(b: dict[str, Any]) -> Schema:
         host=q.str("host", max_len=256), pid=q.int("pid"), started=q.num("started"),
         torch_version=q.str("torch", max_len=64), optimizer=q.str("optimizer", max_len=256),
         hyper=tuple(_scalars(h, "schema.hyper") for h in hyper), every=q.int("every", lo=1),
-        control=q.bool("control"), seq=q.int("seq"), ts=q.num("ts"),
+        control=q.bool("control"), diagnose=q.bool("diagnose", default=False), seq=q.int("seq"), ts=q.num("ts"),
     )
 
 

@@ -91,7 +91,7 @@ def test_finished_run_keeps_its_data_and_alerts() -> None:
             await settle(pilot, app, finished(app))
             assert app.state.last_step == 119
             kinds = {a.kind for a in app.state.alerts}
-            assert {"nonfinite_loss", "nonfinite_grad", "nonfinite_input", "grad_norm_threshold"} <= kinds
+            assert {"nonfinite_loss", "nonfinite_grad", "nonfinite_input", "grad_spike"} <= kinds
             plot = app.query_one("#plot-loss", SeriesPlot)
             assert plot.nonfinite_count == 1  # the NaN loss is an explicit marker, not a crash
             assert app.query_one("#table", HeatTable).row_count == 24

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from gradwatch.protocol import DataStats, Event, Heartbeat, History, ModuleInfo, ParamInfo, Schema, Step
-from gradwatch.tui.state import HEAT_CLIP, MAX_ALERTS, Alert, Conn, Row, RunState
+from gradwatch.tui.state import HEAT_CLIP, MAX_ALERTS, Alert, Conn, Draft, Row, RunState
 from gradwatch.tui.synthetic import HOSTILE_NAMES, synthetic_messages
 
 from conftest import PY
@@ -177,22 +178,36 @@ def test_paused_resumed_events_and_viewer_counters() -> None:
 # --------------------------------------------------------------------------- alerts
 
 
-def test_each_builtin_rule_fires_once_with_evidence() -> None:
-    """A NaN step and a spike raise each built-in alert exactly once, with evidence and advice."""
+def test_local_diagnosis_raises_each_alert_once_with_evidence() -> None:
+    """A stream without trainer-side diagnosis (Schema.diagnose False: the synthetic one) is diagnosed
+    here: a spike and a NaN step raise each alert exactly once, with evidence, causes and advice."""
     st = ingest(synthetic_messages(seed=0, layers=12, steps=400, nan_at=300, spike_at=100))
     kinds = [a.kind for a in st.alerts]
-    assert sorted(kinds) == sorted(["nonfinite_loss", "nonfinite_grad", "nonfinite_input", "grad_norm_threshold",
-                                    "skipped_step"])
+    assert sorted(kinds) == sorted(["grad_spike", "nonfinite_input", "nonfinite_activation", "nonfinite_loss",
+                                    "nonfinite_grad", "skipped_step"])
     by = {a.kind: a for a in st.alerts}
     assert by["nonfinite_grad"].layer == "encoder.6.weight" and by["nonfinite_grad"].evidence["params"] == 1
     assert by["nonfinite_grad"].step == 300 and by["nonfinite_grad"].severity == "critical"
+    assert by["nonfinite_grad"].causes[0] == "bad_input"  # a consequence of the NaN input at that step
+    assert by["nonfinite_activation"].layer == "encoder.6"
     assert math.isnan(by["nonfinite_loss"].evidence["loss"])
     assert by["nonfinite_input"].evidence["nonfinite"] == 3
-    assert by["grad_norm_threshold"].severity == "warning" and by["grad_norm_threshold"].evidence["total"] > 1e3
+    spike = by["grad_spike"]
+    assert spike.severity == "warning" and spike.step == 100 and spike.evidence["ratio"] > 100
+    assert spike.layer == "encoder.4.bias"  # the layer whose gradient jumped, found by its own history
     assert by["skipped_step"].severity == "info"
     for a in st.alerts:
-        assert isinstance(a, Alert) and a.evidence and a.advice and a.message and math.isfinite(a.ts)
-    assert st.alerts[-1].kind == "grad_norm_threshold"  # newest first
+        assert isinstance(a, Alert) and a.evidence and a.advice and a.message
+    assert st.alerts[-1].kind == "grad_spike"  # newest first
+
+
+def test_trainer_side_diagnosis_is_not_repeated_here() -> None:
+    """With Schema.diagnose the trainer publishes the alerts: the viewer does not raise its own."""
+    sc = dataclasses.replace(next(iter(synthetic_messages(seed=0, layers=12, steps=1))), diagnose=True)
+    msgs = [sc, *[m for m in synthetic_messages(seed=0, layers=12, steps=400, nan_at=300, spike_at=100)
+                  if not isinstance(m, Schema)]]
+    st = ingest(msgs)
+    assert [a.kind for a in st.alerts] == ["skipped_step"]  # an event, not a local rule
 
 
 def test_nonfinite_target_and_missed_counts() -> None:
@@ -208,22 +223,22 @@ def test_nonfinite_target_and_missed_counts() -> None:
 def test_hysteresis_same_kind_and_layer_waits_20_clear_steps() -> None:
     """A condition that keeps firing raises once; it raises again only after >= 20 clear steps."""
     st = ingest([schema()])
-    big = [2000.0, 1.0, 1.0]
     fire = {*range(10, 16), 35, 56, 57}  # 35: only 19 clear steps after 15; 56: 20 clear steps after 35
     for k in range(80):
-        st.apply(step(k, big if k in fire else [1.0, 1.0, 1.0]), 0.0)
-    hits = [a.step for a in st.alerts if a.kind == "grad_norm_threshold"]
+        if k in fire:
+            st.raise_alert(Draft("warning", "trainer_alert", None, "m", {}, ""), k, 0.0)
+    hits = [a.step for a in st.alerts if a.kind == "trainer_alert"]
     assert hits == [56, 10]
 
 
 def test_hysteresis_with_history_arriving_out_of_order() -> None:
     """Older steps arriving late (a late joiner's history) de-duplicate against newer alerts too."""
     st = ingest([schema()])
-    big = [2000.0, 1.0, 1.0]
+    d = Draft("warning", "trainer_alert", None, "m", {}, "")
     for k in range(100, 111):
-        st.apply(step(k, big), 0.0)
-    for k in range(40, 100):  # the history: fires at 95 (near the live span) and at 50 (far from it)
-        st.apply(step(k, big if k in (50, 95) else [1.0, 1.0, 1.0]), 0.0)
+        st.raise_alert(d, k, 0.0)
+    for k in (50, 95):  # the history: 95 is near the live span, 50 far from it
+        st.raise_alert(d, k, 0.0)
     assert [a.step for a in st.alerts] == [50, 100]
 
 

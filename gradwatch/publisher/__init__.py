@@ -11,7 +11,8 @@ from gradwatch._warn import warn
 def watch(model: Any, optimizer: Any = None, *, name: str | None = None, every: int = 1, scaler: Any = None,
           control: bool = True, endpoint: str | None = None, detail_every: int | None = None, activations: int = 0,
           update_ratio: bool | None = None, history: int = 2000, announce: bool = True,
-          pause_on: tuple[str, ...] | str = (), max_pause: float | None = 1800.0, debug_in: str = "viewer") -> Any:
+          pause_on: tuple[str, ...] | str = (), max_pause: float | None = 1800.0, debug_in: str = "viewer",
+          diagnose: Any = True) -> Any:
     """Start publishing per-step telemetry of ``model``. See :func:`gradwatch.watch`."""
     from gradwatch.publisher.watcher import NullWatcher, WatchConfig
 
@@ -19,7 +20,8 @@ def watch(model: Any, optimizer: Any = None, *, name: str | None = None, every: 
         return NullWatcher()
     cfg = WatchConfig(name=name, every=every, detail_every=detail_every, activations=activations,
                       update_ratio=update_ratio, control=control, endpoint=endpoint, history=history,
-                      announce=announce, pause_on=pause_on, max_pause=max_pause, debug_in=debug_in)
+                      announce=announce, pause_on=pause_on, max_pause=max_pause, debug_in=debug_in,
+                      diagnose=diagnose)
     try:
         import torch  # noqa: F401
     except ImportError:

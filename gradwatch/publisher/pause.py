@@ -43,6 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from gradwatch.diagnose import KINDS
 from gradwatch.protocol import Command
 from gradwatch.publisher.debugger import BANNER, DebugChannel, debug_session
 
@@ -51,8 +52,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: A debugging viewer that sent nothing (its console pings every 0.5 s) for this long is gone.
 SESSION_LOST_S = 3.0
-#: Kinds accepted by ``pause_on``.
-PAUSE_ON_KINDS = ("nonfinite",)
+#: Kinds accepted by ``pause_on``: "nonfinite" (checked at the boundary itself, before the step is
+#: applied), or alerts of the diagnosis engine -- "critical", "warning" (or worse), or one alert kind --
+#: which pause at the next safe point after the alert.
+PAUSE_ON_KINDS = ("nonfinite", "critical", "warning", *KINDS)
 #: Store poll interval of the distributed coordinator (background thread, never the training thread).
 POLL_S = 0.05
 #: Recent debugger output kept for a viewer that attaches later (it sees the banner and the prompt).
@@ -163,7 +166,18 @@ class PauseControl:
                 else self.checked, "rank": self.rank, "world": self.world, "pause_on": sorted(self.pause_on),
                 "debugging": self.channel is not None, "run": self.run}
 
-    def _handle_pause(self, session: str, reason: str) -> tuple[bool, str, dict[str, Any]]:
+    def on_alert(self, alert: Any) -> None:
+        """An alert from the diagnosis engine (sender thread): pause at the next safe point if asked to."""
+        want = self.pause_on
+        if not want or self.paused_step is not None or self.request is not None:
+            return
+        hit = alert.kind in want or ("critical" in want and alert.severity == "critical") or \
+            ("warning" in want and alert.severity in ("warning", "critical"))
+        if hit:
+            self._log(f"gradwatch: pausing for alert {alert.kind} at step {alert.step} (pause_on)")
+            self._handle_pause(None, f"alert {alert.kind} at step {alert.step}: {alert.message}"[:200])
+
+    def _handle_pause(self, session: str | None, reason: str) -> tuple[bool, str, dict[str, Any]]:
         if self.paused_step is not None:
             return True, f"already paused at step {self.paused_step}", self._attach(session)[2]
         if self.world > 1:

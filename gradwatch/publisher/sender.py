@@ -46,6 +46,10 @@ class SenderConfig:
     queue_size: int = 64
     scaler_enabled: bool = False
     counters_extra: Callable[[], dict[str, int]] | None = None
+    #: A :class:`gradwatch.diagnose.Diagnoser` run on every step here, off the training thread.
+    diagnoser: Any = None
+    #: Called with each alert (in this thread): pause_on and policies act on them.
+    on_alert: Callable[[Any], None] | None = None
 
 
 @dataclass(slots=True)
@@ -256,6 +260,20 @@ class Sender(threading.Thread):
             self._send(self._event_body(item), zmq)
             return
         step, events = self.build_step(item)
+        diag = self.cfg.diagnoser
+        if diag is not None:
+            order = item.meta.get("backward_order")
+            if order is not None:
+                diag.set_backward_order(order)
+            alerts = diag.observe(step)
+            for ev in events:
+                alerts += diag.observe_event(Event(run=self.cfg.run, seq=0, ts=step.ts, event=ev.event, step=ev.step,
+                                                   message=ev.message, data=ev.data))
+            for a in alerts:
+                events.append(_EventItem("alert", a.step, a.message, a.event_data()))
+                self.counters["alerts"] = self.counters.get("alerts", 0) + 1
+                if self.cfg.on_alert is not None:
+                    self.cfg.on_alert(a)
         body = msgpack.packb(protocol.step_body(step), use_bin_type=True)
         self._remember(body)
         self._last_step = step.step

@@ -58,6 +58,7 @@ class WatchConfig:
     pause_on: tuple[str, ...] = ()
     max_pause: float | None = 1800.0
     debug_in: str = "viewer"
+    diagnose: Any = True  # True, False, a gradwatch.diagnose.Thresholds, or a dict of its fields
 
     def __post_init__(self) -> None:
         for key in ("every", "detail_every", "history", "queue_size"):
@@ -85,6 +86,17 @@ class WatchConfig:
             raise ValueError(f"gradwatch.watch(debug_in=...) must be 'viewer' or 'terminal', got {self.debug_in!r}")
         if self.pause_on and not self.control:
             raise ValueError("gradwatch.watch(pause_on=...) needs control=True")
+        from gradwatch.diagnose import Thresholds
+
+        if isinstance(self.diagnose, dict):
+            try:
+                self.diagnose = Thresholds(**self.diagnose)
+            except TypeError as exc:
+                raise ValueError(f"gradwatch.watch(diagnose={{...}}): {exc}") from None
+        if not isinstance(self.diagnose, (bool, Thresholds)):
+            raise ValueError("gradwatch.watch(diagnose=...) takes True, False, a Thresholds or a dict of thresholds")
+        if self.diagnose is False and any(k not in ("nonfinite",) for k in self.pause_on):
+            raise ValueError("gradwatch.watch(pause_on=<alert kinds>) needs diagnose on")
 
 
 # -------------------------------------------------------------------- process-wide exit bookkeeping
@@ -193,7 +205,12 @@ class Watcher:
             host=_socket.gethostname(), pid=self._pid, started=time.time(), torch_version=torch.__version__,
             optimizer=type(optimizer).__name__ if optimizer is not None else "", hyper=tuple(hyper),
             every=cfg.every, control=False,  # set once the control socket is bound
+            diagnose=cfg.diagnose is not False,
         )
+        self._bw_order: list[int] = []
+        self._bw_hooks: list[Any] = []
+        if cfg.diagnose is not False:
+            self._learn_backward_order(params)
         if not self._open_transport():
             return
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
@@ -263,7 +280,8 @@ class Watcher:
         self.sender = Sender(
             SenderConfig(run=self.run_id, history_steps=self.cfg.history, queue_size=self.cfg.queue_size,
                          scaler_enabled=bool(self.scaler is not None and self._scaler_enabled()),
-                         counters_extra=self._counters),
+                         counters_extra=self._counters, diagnoser=self._make_diagnoser(),
+                         on_alert=self._pausectl.on_alert if self._pausectl is not None else None),
             protocol.Signer(key), sock, lambda seq, ts: protocol.pack_body(_with_seq(schema, seq, ts)),
         )
         self.sender.start()
@@ -300,6 +318,35 @@ class Watcher:
         self._pausectl, self._control = pc, server
         self._schema = dataclasses.replace(self._schema, control=True)
         server.start()
+
+    def _make_diagnoser(self) -> Any:
+        if self.cfg.diagnose is False:
+            return None
+        from gradwatch.diagnose import Diagnoser, Thresholds
+
+        th = self.cfg.diagnose if isinstance(self.cfg.diagnose, Thresholds) else None
+        return Diagnoser(self._schema, th)
+
+    def _learn_backward_order(self, params: list[torch.nn.Parameter]) -> None:
+        """Record, once, the order in which backward produces the gradients (post-accumulate hooks on
+        the first backward only): "the first parameter to go non-finite in backward order" is where a
+        NaN entered backward. The hooks are removed at the first boundary."""
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            return
+        order = self._bw_order
+        try:
+            for i, p in enumerate(params):
+                self._bw_hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: order.append(i)))
+        except Exception:  # noqa: BLE001 - without the order, reverse registration order is the fallback
+            self._drop_bw_hooks()
+
+    def _drop_bw_hooks(self) -> None:
+        for h in self._bw_hooks:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._bw_hooks.clear()
 
     def _emit(self, name: str, step: int, message: str = "", data: dict[str, Any] | None = None) -> None:
         if self.sender is not None:
@@ -571,6 +618,10 @@ class Watcher:
         self._missed_dev = {}
         if self._missed:
             meta["missed"], self._missed = self._missed, {}
+        if self._bw_hooks:
+            self._drop_bw_hooks()
+            seen: set[int] = set()
+            meta["backward_order"] = [i for i in self._bw_order if not (i in seen or seen.add(i))]
         if self._user:
             meta["user"] = _plain_scalars(self._user, parts)
             self._user = {}
@@ -675,6 +726,7 @@ class Watcher:
             return True
 
     def _remove_hooks(self) -> None:
+        self._drop_bw_hooks()
         for h in self._handles:
             try:
                 h.remove()

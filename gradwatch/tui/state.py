@@ -24,8 +24,10 @@ Sanitizing them for a plot (FINDINGS 19: Sparkline and plotext crash on them) is
 ``+inf`` means non-finite, NaN means no data. ``Row.score`` is always finite. Every name is cleaned
 with :func:`gradwatch.text.clean` (FINDINGS 20) and made unique.
 
-The built-in alert rules (:data:`STEP_RULES`) are small functions of one step, placeholders until the
-diagnosis engine (issue 5) replaces them; they share one de-duplication with hysteresis.
+Alerts come from the diagnosis engine (:mod:`gradwatch.diagnose`): as ``alert`` events when the trainer
+runs it (``Schema.diagnose``), else from a :class:`~gradwatch.diagnose.Diagnoser` run here on the steps
+as they arrive (older trainers, synthetic streams). Either way they share one de-duplication with
+hysteresis (:meth:`RunState.raise_alert`).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ import heapq
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
+from gradwatch.diagnose import Diagnoser
 from gradwatch.protocol import Event, Heartbeat, History, Schema, Step
 from gradwatch.text import clean
 
@@ -48,8 +51,6 @@ NAME_LEN = 120
 MAX_ALERTS = 500
 #: The same alert kind + layer raises again only after it stayed clear this many steps (x schema.every).
 HYSTERESIS_STEPS = 20
-#: Total gradient norm above which ``grad_norm_threshold`` fires (the article's threshold).
-GRAD_NORM_THRESHOLD = 1e3
 #: :meth:`RunState.heat` clips finite deviations to this many decades either way.
 HEAT_CLIP = 12.0
 #: Upper bound for the gradient-norm ring; ``capacity`` shrinks (to at least 16 steps) to stay below it.
@@ -97,6 +98,7 @@ class Alert:
     evidence: dict[str, float]
     advice: str
     ts: float
+    causes: tuple[str, ...] = ()  # ranked, from gradwatch.diagnose.CAUSES
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +123,7 @@ class Row:
 
 
 class Draft(NamedTuple):
-    """What a rule returns; :meth:`RunState.raise_alert` de-duplicates it and stamps step and time."""
+    """An alert before :meth:`RunState.raise_alert` de-duplicates it and stamps step and time."""
 
     severity: str
     kind: str
@@ -129,108 +131,7 @@ class Draft(NamedTuple):
     message: str
     evidence: dict[str, float]
     advice: str
-
-
-#: A rule: (state, step, indices of parameters non-finite at this step) -> drafts.
-Rule = Callable[["RunState", Step, "np.ndarray | None"], Iterable[Draft]]
-
-
-# --------------------------------------------------------------------------- built-in rules (issue 5 replaces)
-
-
-def _fmt(x: float) -> str:
-    if math.isnan(x):
-        return "NaN"
-    if math.isinf(x):
-        return "+Inf" if x > 0 else "-Inf"
-    return f"{x:.4g}"
-
-
-def rule_nonfinite_loss(state: RunState, s: Step, bad: np.ndarray | None) -> Iterable[Draft]:
-    """Critical: the loss itself is NaN/Inf (or was, on steps that were not published)."""
-    loss = s.loss
-    if loss is not None and not math.isfinite(loss):
-        yield Draft("critical", "nonfinite_loss", None, f"loss is {_fmt(loss)} at step {s.step}",
-                    {"loss": float(loss)},
-                    "Check the inputs and the loss for log(0) or division by zero, and lower the learning rate.")
-    elif s.missed.get("loss"):
-        ev = {"missed_steps": float(s.missed["loss"])}
-        if "first_step" in s.missed:
-            ev["first_step"] = float(s.missed["first_step"])
-        yield Draft("critical", "nonfinite_loss", None,
-                    f"loss was non-finite on {s.missed['loss']} unpublished step(s) before step {s.step}", ev,
-                    "Check the inputs and the loss for log(0) or division by zero, and lower the learning rate.")
-
-
-def rule_nonfinite_grad(state: RunState, s: Step, bad: np.ndarray | None) -> Iterable[Draft]:
-    """Critical: some parameters have NaN/Inf gradients; the layer is the first one in parameter order."""
-    if bad is None or not len(bad):
-        return
-    first = int(bad[0])
-    counts = [c for c in s.nonfinite.values() if c > 0]
-    ev = {"params": float(len(bad))}
-    if counts:
-        ev["elements"] = float(sum(counts))
-    if s.first_nonfinite_module is not None:
-        ev["first_module"] = float(s.first_nonfinite_module)
-    name = state.names[first]
-    yield Draft("critical", "nonfinite_grad", name,
-                f"non-finite gradients in {len(bad)} parameter(s) at step {s.step}, first {name}", ev,
-                "Find the first module with a non-finite output (activations), then clip gradients or lower "
-                "the learning rate.")
-
-
-def _rule_nonfinite_data(key: str, kind: str, what: str) -> Rule:
-    def rule(state: RunState, s: Step, bad: np.ndarray | None) -> Iterable[Draft]:
-        d = s.data.get(key)
-        if d is not None and d.nonfinite:
-            yield Draft("critical", kind, None, f"{d.nonfinite} non-finite {what} value(s) at step {s.step}",
-                        {"nonfinite": float(d.nonfinite), "numel": float(d.numel)},
-                        f"Check the data pipeline: a batch of {what} contains NaN/Inf before the model sees it.")
-        elif s.missed.get(key):
-            ev = {"missed_steps": float(s.missed[key])}
-            if "first_step" in s.missed:
-                ev["first_step"] = float(s.missed["first_step"])
-            yield Draft("critical", kind, None,
-                        f"{what} had non-finite values on {s.missed[key]} unpublished step(s) before step {s.step}",
-                        ev, f"Check the data pipeline: a batch of {what} contains NaN/Inf before the model sees it.")
-
-    rule.__name__ = f"rule_{kind}"
-    rule.__doc__ = f"Critical: non-finite {what} (from the step's data statistics or its missed counts)."
-    return rule
-
-
-rule_nonfinite_input = _rule_nonfinite_data("inputs", "nonfinite_input", "input")
-rule_nonfinite_target = _rule_nonfinite_data("targets", "nonfinite_target", "target")
-
-
-def rule_grad_norm_threshold(state: RunState, s: Step, bad: np.ndarray | None) -> Iterable[Draft]:
-    """Warning: the total gradient norm is above :data:`GRAD_NORM_THRESHOLD` (and not already non-finite)."""
-    total = s.total
-    if total > GRAD_NORM_THRESHOLD and (bad is None or not len(bad)):
-        ev = {"total": float(total), "threshold": GRAD_NORM_THRESHOLD}
-        msg = f"total gradient norm {_fmt(total)} > {GRAD_NORM_THRESHOLD:g} at step {s.step}"
-        top = state.top_layer(s)
-        if top is not None:
-            msg += f"; largest {state.names[top[0]]} ({_fmt(top[1])})"
-            ev["largest"] = top[1]
-        yield Draft("warning", "grad_norm_threshold", None, msg, ev,
-                    "Gradients are exploding: clip them (clip_grad_norm_) or lower the learning rate.")
-
-
-def rule_skipped_step(state: RunState, s: Step, bad: np.ndarray | None) -> Iterable[Draft]:
-    """Info: GradScaler skipped (or will skip) this optimizer step."""
-    if s.skipped:
-        ev = {"nonfinite_params": float(len(bad)) if bad is not None else 0.0}
-        if s.scale is not None:
-            ev["scale"] = float(s.scale)
-        yield Draft("info", "skipped_step", None, f"optimizer step {s.step} skipped (non-finite gradients)", ev,
-                    "Occasional skips are normal with mixed precision; many in a row mean the model diverged.")
-
-
-#: Rules evaluated on every new step, in order. Issue 5's diagnosis engine replaces this tuple.
-STEP_RULES: tuple[Rule, ...] = (rule_nonfinite_loss, rule_nonfinite_grad, rule_nonfinite_input,
-                                rule_nonfinite_target, rule_grad_norm_threshold, rule_skipped_step)
+    causes: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -345,6 +246,9 @@ class RunState:
             cap = min(cap, max(16, self._max_bytes // (4 * n)))
         self.schema: Schema | None = schema
         self.n = n
+        # the trainer diagnoses (alert events) unless it says it does not: then this viewer does
+        self._diag = Diagnoser(schema) if schema is not None and not schema.diagnose else None
+        self._diag_step = -1
         self.capacity = cap
         self.conn = Conn.WAITING
         self.conn_reason = "waiting for a run" if schema is None else "new run"
@@ -601,10 +505,17 @@ class RunState:
                         self._nf_latest[i] = c if c else -1
                 self._nf_latest_any = True
             self._update_rate(step, now)
-        for rule in STEP_RULES:
-            for draft in rule(self, s, bad_idx):
-                self.raise_alert(draft, step, s.ts)
+        if self._diag is not None and step > self._diag_step:  # in step order only (not late history)
+            self._diag_step = step
+            for a in self._diag.observe(s):
+                self._raise(a)
         self.version += 1
+
+    def _raise(self, a: Any) -> None:
+        """A :class:`gradwatch.diagnose.Alert` from the local diagnoser."""
+        layer = clean(a.layer, NAME_LEN) if isinstance(a.layer, str) else None
+        self.raise_alert(Draft(a.severity, a.kind, layer, a.message, dict(a.evidence), a.advice, tuple(a.causes)),
+                         a.step, 0.0)
 
     def _apply_update_ratio(self, s: Step, step: int) -> None:
         ur = _f32(s.update_ratio)
@@ -670,15 +581,20 @@ class RunState:
         elif name == "alert":
             sev = data.get("severity", "warning")
             layer = data.get("layer")
+            causes = data.get("causes")
             self.raise_alert(Draft(
                 sev if sev in SEVERITIES else "warning", clean(data.get("kind", "alert"), 40) or "alert",
                 clean(layer, NAME_LEN) if isinstance(layer, str) else None, msg or "alert from the trainer",
-                _evidence(data.get("evidence", data)), clean(data.get("advice", ""), 300)), e.step, e.ts)
+                _evidence(data.get("evidence", data)), clean(data.get("advice", ""), 300),
+                tuple(c for c in causes if isinstance(c, str)) if isinstance(causes, list) else ()), e.step, e.ts)
         elif name == "skipped_step":
             self.raise_alert(Draft("info", "skipped_step", None, msg or f"optimizer step {e.step} skipped",
                                    _evidence(data), "Occasional skips are normal with mixed precision; many in a "
                                    "row mean the model diverged."), e.step, e.ts)
         elif name == "scaler_backoff":
+            if self._diag is not None:
+                for a in self._diag.observe_event(e):
+                    self._raise(a)
             self.raise_alert(Draft("info", "scaler_backoff", None, msg or "loss scale backed off", _evidence(data),
                                    "The loss scaler found overflow and halved the scale; watch for repeated backoffs."),
                              e.step, e.ts)
@@ -716,7 +632,8 @@ class RunState:
         ts = ts if isinstance(ts, float) and math.isfinite(ts) else 0.0
         self.alerts.insert(0, Alert(step=step, severity=d.severity, kind=d.kind, layer=d.layer,
                                     message=clean(d.message, 300), evidence=dict(d.evidence),
-                                    advice=clean(d.advice, 300), ts=ts))
+                                    advice=clean(d.advice, 300), ts=ts,
+                                    causes=tuple(clean(c, 40) for c in d.causes[:8])))
         if len(self.alerts) > MAX_ALERTS:
             del self.alerts[MAX_ALERTS:]
         self.version += 1

@@ -1,4 +1,4 @@
-"""Alert pane: newest first, coloured by severity, each with its step, layer, evidence and advice."""
+"""Alert pane: newest first, coloured by severity, each with its step, layer, evidence, likely causes and advice."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ def alert_text(a: Any) -> Text:
         ev = ", ".join(f"{clean(k, 20)}={num(v, 3) if isinstance(v, float) else clean(v, 20)}"
                        for k, v in list(a.evidence.items())[:6])
         t.append(f"\n{ev}", style="dim")
+    causes = getattr(a, "causes", ())
+    if causes:
+        t.append("\nlikely: " + ", ".join(clean(c, 30).replace("_", " ") for c in causes[:3]), style="bold")
     if a.advice:
         t.append(f"\n\u2192 {clean(a.advice, 300)}", style="italic")
     return t
