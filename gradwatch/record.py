@@ -228,6 +228,23 @@ class Recorder:
                     or time.monotonic() - self._last_flush >= self.flush_every):
                 self._flush_locked()
 
+    def write_body(self, body: bytes, t: float | None = None) -> None:
+        """Record one already packed wire body (the trainer's flight recorder keeps bodies). Never raises."""
+        try:
+            record = msgpack.packb({"t": float(time.time() if t is None else t), "b": bytes(body)}, use_bin_type=True)
+        except Exception:  # noqa: BLE001
+            with self._lock:
+                self.errors += 1
+            return
+        with self._lock:
+            if self.failed or self._closed:
+                self.errors += 1
+                return
+            self._buf += record
+            self._sizes.append(len(record))
+            if len(self._buf) >= FLUSH_BYTES:
+                self._flush_locked()
+
     def flush(self) -> None:
         """Hand everything buffered to the OS now. Never raises."""
         with self._lock:

@@ -317,7 +317,11 @@ class PauseControl:
         self.paused_step, self.paused_since = step, self._clock()
         self.resume_why = None
         self.abort = False
-        self.session = req.session
+        # the debugger client: whoever asked, else a viewer that attached while waiting for a pause
+        # (gradwatch debug --no-pause) if it is still there
+        seen = self.server.last_seen(self.session) if self.server is not None else None
+        waiting = self.session if seen is not None and time.monotonic() - seen < SESSION_LOST_S else None
+        self.session = req.session or waiting
         self.pauses += 1
         me = debug_rank == self.rank
         limit = f"; resumes by itself after {self.max_pause:g} s" if self.max_pause else ""

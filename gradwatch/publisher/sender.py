@@ -50,6 +50,10 @@ class SenderConfig:
     diagnoser: Any = None
     #: Called with each alert (in this thread): pause_on and policies act on them.
     on_alert: Callable[[Any], None] | None = None
+    #: The run's name (file names of the flight recorder).
+    name: str = "run"
+    #: On the first critical alert, the last this-many steps (all layers) go to a recording file.
+    flight_steps: int = 200
 
 
 @dataclass(slots=True)
@@ -90,6 +94,9 @@ class Sender(threading.Thread):
             "sent": 0, "dropped_queue": 0, "dropped_send": 0, "oversize": 0, "errors": 0, "subscribers": 0,
         }
         self.failed = False
+        self._flight: str | None = None  # the flight-recorder file, once written ("" if it failed)
+        self._flight_told = False
+        self._remembered = -1
         self._consecutive_errors = 0
         self.last_error: str | None = None
 
@@ -269,13 +276,24 @@ class Sender(threading.Thread):
             for ev in events:
                 alerts += diag.observe_event(Event(run=self.cfg.run, seq=0, ts=step.ts, event=ev.event, step=ev.step,
                                                    message=ev.message, data=ev.data))
+            if self._flight is None and any(a.severity == "critical" for a in alerts) and self.cfg.flight_steps:
+                self._remember(msgpack.packb(protocol.step_body(step), use_bin_type=True))
+                self._remembered = step.step
+                self._flight = self._write_flight(step.step)
             for a in alerts:
-                events.append(_EventItem("alert", a.step, a.message, a.event_data()))
+                data = a.event_data()
+                message = a.message
+                if a.severity == "critical" and self._flight and not self._flight_told:
+                    self._flight_told = True
+                    data["flight_record"] = self._flight
+                    message += f"; the last {self.cfg.flight_steps} steps are in {self._flight}"
+                events.append(_EventItem("alert", a.step, message, data))
                 self.counters["alerts"] = self.counters.get("alerts", 0) + 1
                 if self.cfg.on_alert is not None:
                     self.cfg.on_alert(a)
         body = msgpack.packb(protocol.step_body(step), use_bin_type=True)
-        self._remember(body)
+        if self._remembered != step.step:
+            self._remember(body)
         self._last_step = step.step
         self._batch.append(body)
         self._batch_bytes += len(body)
@@ -283,6 +301,26 @@ class Sender(threading.Thread):
             self._flush(zmq)
         for ev in events:
             self._send(self._event_body(ev), zmq)
+
+    def _write_flight(self, step: int) -> str:
+        """The flight recorder: schema, the last ``flight_steps`` steps and recent events, next to the
+        viewer's recordings (``gradwatch replay FILE``). Returns the path, or "" if it could not be written."""
+        try:
+            from gradwatch.record import Recorder, default_recording_path
+
+            path = default_recording_path(f"{self.cfg.name}-flight-step{step}", self.cfg.run)
+            rec = Recorder(path)
+            now = time.time()
+            rec.write_body(self._schema_body(0, now), now)
+            for body in list(self._history)[-self.cfg.flight_steps:]:
+                rec.write_body(body, now)
+            for body in list(self._events):
+                rec.write_body(body, now)
+            rec.close()
+            return str(path)
+        except Exception as exc:  # noqa: BLE001 - a full disk must not cost the telemetry
+            self.last_error = f"flight recorder: {type(exc).__name__}: {exc}"
+            return ""
 
     def _flush(self, zmq: Any) -> None:
         """Send the steps gathered in this drain: one frame (one MAC, one send) for all of them."""

@@ -280,7 +280,7 @@ class Watcher:
         self.sender = Sender(
             SenderConfig(run=self.run_id, history_steps=self.cfg.history, queue_size=self.cfg.queue_size,
                          scaler_enabled=bool(self.scaler is not None and self._scaler_enabled()),
-                         counters_extra=self._counters, diagnoser=self._make_diagnoser(),
+                         counters_extra=self._counters, diagnoser=self._make_diagnoser(), name=self.name,
                          on_alert=self._pausectl.on_alert if self._pausectl is not None else None),
             protocol.Signer(key), sock, lambda seq, ts: protocol.pack_body(_with_seq(schema, seq, ts)),
         )

@@ -1,0 +1,104 @@
+"""Diagnosis end to end: a real trainer publishes alert events, writes a flight record, and can pause on them."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import gradwatch
+from conftest import PY, ROOT, child_env
+from gradwatch.protocol import Event, Schema, Step
+from gradwatch.record import read_recording
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _demo(runtime: Path, *args: str, **env: str) -> tuple[subprocess.Popen, str]:
+    name = f"dl{time.monotonic_ns()}"
+    p = subprocess.Popen([PY, str(ROOT / "demo" / "train.py"), *args, "--quiet", "--name", name],
+                         cwd=ROOT, env=child_env(runtime, **env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not any(r.name == name for r in gradwatch.runs()):
+        assert time.monotonic() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else ""
+        time.sleep(0.02)
+    return p, name
+
+
+def test_alerts_arrive_as_events_with_a_flight_record(runtime: Path, tmp_path: Path) -> None:
+    p, name = _demo(runtime, "nan-input", "--nan-step", "40", "--steps", "120", "--pace", "0.01",
+                    GRADWATCH_RECORD_DIR=str(tmp_path))
+    alerts: list[Event] = []
+    try:
+        with gradwatch.connect(name, timeout=20) as c:
+            assert c.schema is not None and c.schema.diagnose is True
+            for m in c.records(timeout=20):
+                if isinstance(m, Event) and m.event == "alert":
+                    alerts.append(m)
+                if isinstance(m, Event) and m.event == "finished":
+                    break
+        assert p.wait(30) == 0
+    finally:
+        p.kill()
+    first = alerts[0]
+    assert (first.data["kind"], first.step, first.data["severity"]) == ("nonfinite_input", 40, "critical")
+    assert first.data["causes"][0] == "bad_input" and first.data["advice"] and first.data["rank"] == 0
+    flight = Path(first.data["flight_record"])
+    assert flight.parent == tmp_path and str(flight) in first.message
+    msgs = [m for _t, m in read_recording(flight)]
+    assert isinstance(msgs[0], Schema) and msgs[0].name == name
+    steps = [m.step for m in msgs if isinstance(m, Step)]
+    assert steps == list(range(41))  # everything up to and including the step that went bad
+    bad = next(m for m in msgs if isinstance(m, Step) and m.step == 40)
+    assert bad.data["inputs"].nonfinite == 1
+    kinds = [a.data["kind"] for a in alerts if a.step == 40]
+    assert kinds[:3] == ["nonfinite_input", "nonfinite_loss", "nonfinite_grad"]  # cause first
+    assert "consequence of the non-finite input" in next(a.message for a in alerts if a.data["kind"] == "nonfinite_grad")
+
+
+def test_gradwatch_tail_prints_the_alerts(runtime: Path) -> None:
+    p, name = _demo(runtime, "explode", "--steps", "400", "--pace", "0.05")
+    try:
+        r = subprocess.run([PY, "-m", "gradwatch", "tail", name, "--timeout", "20"], cwd=ROOT,
+                           env=child_env(runtime), capture_output=True, text=True, timeout=60)
+    finally:
+        p.kill()
+    lines = [line for line in r.stdout.splitlines() if line.startswith("event alert")]
+    assert lines and "gradient norm jumped" in lines[0] and "at step 1 " in lines[0], r.stdout[-2000:]
+    assert any("loss is +Inf at step 3" in line for line in lines)
+
+
+def test_pause_on_a_critical_alert(runtime: Path) -> None:
+    """pause_on=("critical",): the trainer pauses at the safe point after the first critical alert."""
+    script = (
+        "import sys, torch, gradwatch\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.01)\n"
+        "gw = gradwatch.watch(m, opt, name=sys.argv[1], pause_on=('critical',), announce=False)\n"
+        "print('RUN', gw.run_id, flush=True)\n"
+        "for i in range(400):\n"
+        "    x = torch.randn(8, 4)\n"
+        "    if i == 30: x[0, 0] = float('nan')\n"
+        "    loss = m(x).pow(2).mean(); loss.backward(); gw.step(loss, inputs=x); opt.step(); opt.zero_grad()\n"
+        "    import time; time.sleep(0.01)\n"
+        "gw.close()\n"
+    )
+    p = subprocess.Popen([PY, "-c", script, "pc"], cwd=ROOT, env=child_env(runtime), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        run = p.stdout.readline().split()[1]
+        with gradwatch.control(run) as ctl:
+            ctl.attach()
+            step = ctl.wait_paused(30)
+            assert 30 < step <= 33  # the next safe point after the alert of step 30 (computed off-thread)
+            assert "alert nonfinite_input at step 30" in ctl.banner
+            ctl.resume()
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err[-2000:]
+    assert "pausing for alert nonfinite_input at step 30 (pause_on)" in err
