@@ -125,6 +125,10 @@ class Controller:
     def set_pause_on(self, kinds: list[str], timeout: float = 5.0) -> Reply:
         return self.request("pause_on", timeout, kinds=list(kinds))
 
+    def arm(self, probe: str = "activations", steps: int = 10, timeout: float = 5.0) -> Reply:
+        """Record a probe (activation statistics) for the next ``steps`` steps, whatever the cadence."""
+        return self.request("arm", timeout, probe=probe, steps=steps)
+
     def input(self, line: str) -> None:
         """Type one line into the trainer's pdb."""
         self.send("input", line=line)

@@ -265,6 +265,14 @@ def _log10(x: Any) -> np.ndarray:
         return np.log10(np.asarray(x, dtype=np.float64))
 
 
+def _exp10(x: float) -> float:
+    """``10 ** x`` that gives +Inf instead of raising OverflowError (a running level at float64's edge)."""
+    try:
+        return 10.0 ** x
+    except OverflowError:
+        return math.inf
+
+
 def _f(x: float) -> str:
     if isinstance(x, float) and not math.isfinite(x):
         return "NaN" if math.isnan(x) else ("+Inf" if x > 0 else "-Inf")
@@ -525,7 +533,7 @@ class Diagnoser:
         # loss (log domain while it is positive)
         if loss is not None and loss > 0:
             lz = float(self._loss.z(math.log10(loss)))
-            level = 10 ** float(self._loss.mean) if self._loss.count else loss
+            level = _exp10(float(self._loss.mean)) if self._loss.count else loss
             spike = warm and lz >= t.spike_z and loss >= t.loss_spike_ratio * level
             if self._gate(("loss_spike",), spike, step):
                 ev = {"loss": loss, "baseline": level, "z": lz, "ratio": loss / level}
@@ -541,7 +549,7 @@ class Diagnoser:
         # total gradient norm
         if total is not None and total > 0:
             tz = float(self._total.z(math.log10(total)))
-            level = 10 ** float(self._total.mean) if self._total.count else total
+            level = _exp10(float(self._total.mean)) if self._total.count else total
             spike = warm and tz >= t.spike_z and total >= t.grad_spike_ratio * level
             lg = _log10(gn)
             ok = np.isfinite(lg) & ~nograd

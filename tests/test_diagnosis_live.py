@@ -102,3 +102,47 @@ def test_pause_on_a_critical_alert(runtime: Path) -> None:
         p.kill()
     assert p.returncode == 0, err[-2000:]
     assert "pausing for alert nonfinite_input at step 30 (pause_on)" in err
+
+
+def test_arm_activation_statistics_from_a_viewer(runtime: Path) -> None:
+    """A viewer arms the activation probe for K steps: exactly the next K published steps carry
+    per-module activation statistics (hooks attached by the training thread, never by the control thread)."""
+    import threading
+
+    import torch
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    gw = gradwatch.watch(m, opt, name="arm", announce=False)
+    with_act: list[int] = []
+    done = threading.Event()
+    armed_at: list[int] = []
+
+    def viewer() -> None:
+        with gradwatch.connect(gw.run_id) as sub, gradwatch.control(gw.run_id) as ctl:
+            time.sleep(0.3)
+            r = ctl.arm("activations", 5)
+            assert r.ok and "armed for 5 steps" in r.message
+            armed_at.append(gw.step_count)
+            while not done.is_set():
+                msg = sub.recv(timeout=0.1)
+                if isinstance(msg, Step) and msg.act is not None:
+                    with_act.append(msg.step)
+
+    t = threading.Thread(target=viewer)
+    t.start()
+    x = torch.randn(8, 4)
+    for _ in range(200):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        gw.step(loss)
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.01)
+    time.sleep(0.5)
+    done.set()
+    t.join(10)
+    gw.close()
+    assert len(with_act) == 5 and with_act == list(range(with_act[0], with_act[0] + 5)), with_act
+    assert with_act[0] >= armed_at[0]

@@ -18,6 +18,7 @@ from gradwatch.tui.screens.picker import PickerScreen
 from gradwatch.tui.sources import Source
 from gradwatch.tui.state import Conn
 from gradwatch.tui.synthetic import SyntheticSource, synthetic_messages
+from gradwatch.tui.widgets.alerts import AlertPane
 from gradwatch.tui.widgets.heat_table import HeatTable
 from gradwatch.tui.widgets.plots import SeriesPlot
 
@@ -338,4 +339,29 @@ def test_waiting_screen_until_a_run_appears() -> None:
             assert "WAITING" in str(app.query_one("#status").render())
             await settle(pilot, app, finished(app))
             assert not app.query_one("#waiting").display and app.query_one("#plots").display
+    asyncio.run(go())
+
+
+def test_silence_an_alert_kind_or_layer_and_undo() -> None:
+    async def go() -> None:
+        app = make_app(synthetic())
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, finished(app))
+            pane = app.query_one("#alerts", AlertPane)
+            total = len(app.state.alerts)
+            pane.focus()
+            pane.highlighted = [a.kind for a in pane._alerts].index("nonfinite_loss")
+            await pilot.press("x")  # silence the kind
+            await pilot.pause(0.3)
+            assert "nonfinite_loss" not in [a.kind for a in pane._alerts]
+            assert len(pane._alerts) == total - 1
+            assert "1 silenced" in str(app.query_one("#alerts-title").render())
+            pane.highlighted = [a.kind for a in pane._alerts].index("nonfinite_grad")
+            await pilot.press("X")  # silence the layer: every alert about it goes
+            await pilot.pause(0.3)
+            assert all(a.layer != "encoder.6.weight" for a in pane._alerts)
+            await pilot.press("u")
+            await pilot.pause(0.3)
+            assert len(pane._alerts) == total and len(app.state.alerts) == total  # hidden, never dropped
+
     asyncio.run(go())

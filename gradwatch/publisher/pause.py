@@ -79,8 +79,9 @@ class PauseControl:
     def __init__(self, *, rank: int, world: int, max_pause: float | None, pause_on: tuple[str, ...],
                  run: str, namespace: Callable[[], dict[str, Any]], event: Callable[..., None],
                  log: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
-                 store: Any = None) -> None:
+                 store: Any = None, arm: Callable[[str, int], str] | None = None) -> None:
         self.rank = rank
+        self._arm = arm  # arm a probe for the next steps (the watcher applies it at its next boundary)
         self.world = world
         self.max_pause = max_pause
         self.pause_on = set(pause_on)
@@ -149,6 +150,11 @@ class PauseControl:
             if self.coord is not None:
                 self.coord.release()  # the other ranks stop waiting (and will notice this rank is gone)
             return True, "aborting: training stops with KeyboardInterrupt at this step", {}
+        if name == "arm":
+            probe, steps = args.get("probe"), args.get("steps", 10)
+            if self._arm is None or probe not in ("activations",) or type(steps) is not int or not 1 <= steps <= 10_000:
+                return False, "arm takes probe='activations' and steps=1..10000", {}
+            return True, self._arm(probe, steps), self.describe()
         if name == "pause_on":
             kinds = args.get("kinds", [])
             if not isinstance(kinds, list) or any(k not in PAUSE_ON_KINDS for k in kinds):

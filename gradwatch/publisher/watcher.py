@@ -312,7 +312,7 @@ class Watcher:
         cfg = self.cfg
         pc = PauseControl(rank=self._schema.rank, world=self._schema.world_size, max_pause=cfg.max_pause,
                           pause_on=cfg.pause_on, run=self.run_id, namespace=lambda: {}, event=self._emit,
-                          log=_log_line)
+                          log=_log_line, arm=self._arm_from_viewer)
         server = ControlServer(self._control_sock, protocol.Signer(key), pc.handle, busy=pc.busy)
         pc.server = server
         self._pausectl, self._control = pc, server
@@ -702,10 +702,19 @@ class Watcher:
                 self._missed[name] = self._missed.get(name, 0) + 1
                 self._missed.setdefault("first_step", step)
 
+    _arm_request = 0  # armed from the viewer (control thread); taken at the next boundary
+
+    def _arm_from_viewer(self, probe: str, steps: int) -> str:
+        """Control thread: never touch hooks here (the training thread may be inside forward)."""
+        self._arm_request = max(self._arm_request, int(steps))
+        return f"activation statistics armed for {steps} steps from the next one"
+
     def _plan_activations(self, next_step: int, consume: bool = True) -> None:
         """Attach the forward hooks for ``next_step`` only if it is armed or on the cadence."""
         if consume and self._act_armed > 0:
             self._act_armed -= 1  # the step that just ended used one armed step
+        if self._arm_request:
+            self._act_armed, self._arm_request = max(self._act_armed, self._arm_request), 0
         every = self.cfg.every
         want = self._act_armed > 0 or (bool(self._act_every) and next_step % every == 0
                                        and (next_step // every) % self._act_every == 0)

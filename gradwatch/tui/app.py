@@ -73,6 +73,10 @@ class GradwatchApp(PauseActions, App[None]):
                 tooltip="Resume a paused trainer"),
         Binding("N", "toggle_pause_on", "pause on NaN", id="toggle_pause_on", show=False, key_display="N",
                 tooltip="Auto-pause the trainer before a NaN/Inf gradient reaches the weights (toggle)"),
+        Binding("A", "arm_activations", "arm activations", id="arm_activations", show=False, key_display="A",
+                tooltip="Record per-module activation statistics for the next 10 steps"),
+        Binding("u", "unsilence", "unsilence", id="unsilence", show=False,
+                tooltip="Show silenced alerts again (x / X on an alert silence its kind / layer)"),
         Binding("escape", "clear", "clear", show=False, id="clear"),
     ]
 
@@ -120,6 +124,9 @@ class GradwatchApp(PauseActions, App[None]):
         self._link_run = None
         self.debug_console = None
         self._was_paused = False
+        #: alert kinds and layers the user silenced (x / X on an alert; u undoes): hidden, still recorded
+        self.silenced_kinds: set[str] = set()
+        self.silenced_layers: set[str] = set()
 
     # ------------------------------------------------------------------ layout
 
@@ -221,7 +228,9 @@ class GradwatchApp(PauseActions, App[None]):
                     plots = self._plot_data() if plots_due else None
                     self._plots_stale = not plots_due  # drawn on a later frame, even if no data comes
                     table = self._table_data()
-                    alerts = list(self.state.alerts)
+                    alerts = [a for a in self.state.alerts if a.kind not in self.silenced_kinds
+                              and (a.layer is None or a.layer not in self.silenced_layers)]
+                    hidden = len(self.state.alerts) - len(alerts)
             self.query_one("#status", StatusBar).update(status_text(**status))
             if newly_paused and self.debug_console is None:
                 why = self.state.pause_reason
@@ -243,7 +252,8 @@ class GradwatchApp(PauseActions, App[None]):
                     self._table_stale = self.query_one("#table", HeatTable).show(
                         rows, heats.get, keep=self.selected_layer, force=force)
                 self.query_one("#alerts", AlertPane).show(alerts)
-                self.query_one("#alerts-title", Static).update(f"alerts ({len(alerts)})")
+                self.query_one("#alerts-title", Static).update(
+                    f"alerts ({len(alerts)}" + (f", {hidden} silenced: u shows them" if hidden else "") + ")")
         except Exception as exc:  # noqa: BLE001 - a drawing bug must not kill the viewer: count and show it
             self.errors += 1
             if self.errors <= 3:
@@ -380,6 +390,23 @@ class GradwatchApp(PauseActions, App[None]):
 
     def on_data_table_row_selected(self, event: HeatTable.RowSelected) -> None:
         self.selected_layer = int(event.row_key.value) if event.row_key.value is not None else None
+
+    def on_alert_pane_silence(self, event: AlertPane.Silence) -> None:
+        a = event.alert
+        if event.what == "layer" and a.layer:
+            self.silenced_layers.add(a.layer)
+            self.notify(f"alerts about {a.layer} silenced (u: unsilence all)", timeout=3)
+        else:
+            self.silenced_kinds.add(a.kind)
+            self.notify(f"{a.kind} alerts silenced (u: unsilence all)", timeout=3)
+        self._redraw()
+
+    def action_unsilence(self) -> None:
+        if self.silenced_kinds or self.silenced_layers:
+            self.silenced_kinds.clear()
+            self.silenced_layers.clear()
+            self.notify("every alert shown again", timeout=2)
+            self._redraw()
 
     def on_alert_pane_alert_chosen(self, event: AlertPane.AlertChosen) -> None:
         alert = event.alert

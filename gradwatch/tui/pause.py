@@ -134,6 +134,16 @@ class PauseActions:
         self.push_screen(ConfirmScreen("Abort the training run?\n\nThe trainer raises KeyboardInterrupt at this "
                                        "step, as Ctrl-C would: the job stops.", yes="Abort run", no="Cancel"), answer)
 
+    def action_arm_activations(self) -> None:
+        """Record activation statistics for the next 10 steps: where a NaN first appears in forward."""
+        if self.read_only or not self._can_control():
+            self.notify("this viewer cannot command the trainer (read-only or control off)", timeout=4)
+            return
+        link = self._ensure_link()
+        if link is not None:
+            link.submit("arm", probe="activations", steps=10)
+            self.notify("arming activation statistics for the next 10 steps", timeout=3)
+
     def action_toggle_pause_on(self) -> None:
         """Switch the trainer's auto-pause on non-finite loss/gradients (asks before switching it on)."""
         if self.read_only or not self._can_control():

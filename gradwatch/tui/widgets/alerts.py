@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from rich.text import Text
+from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
@@ -42,10 +43,26 @@ class AlertPane(OptionList):
     AlertPane { height: 1fr; scrollbar-gutter: stable; }
     """
 
+    BINDINGS = [Binding("x", "silence('kind')", "silence kind", id="alerts.silence_kind"),
+                Binding("X", "silence('layer')", "silence layer", id="alerts.silence_layer")]
+
     class AlertChosen(Message):
         def __init__(self, alert: Any) -> None:
             super().__init__()
             self.alert = alert
+
+    class Silence(Message):
+        """The user wants alerts like the highlighted one hidden: ``what`` is "kind" or "layer"."""
+
+        def __init__(self, alert: Any, what: str) -> None:
+            super().__init__()
+            self.alert = alert
+            self.what = what
+
+    def action_silence(self, what: str) -> None:
+        i = self.highlighted
+        if i is not None and 0 <= i < len(self._alerts):
+            self.post_message(self.Silence(self._alerts[i], what))
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, markup=False)
