@@ -152,9 +152,11 @@ KINDS: dict[str, Kind] = {
         "Check this batch's targets; use a robust loss (Huber) if outliers are real.",
         ("bad_targets",)),
     "clip_ineffective": Kind(
-        "info", "reserved: gradient clipping observed but not bounding the update (Adam-family optimizers)",
+        "warning", "gradient clipping is active (the norm before optimizer.step() is well below the norm after "
+        "backward) on an Adam-family optimizer while weights move too fast or gradients keep spiking "
+        "(info when clipping is merely active there)",
         "clipping rescales the gradient, but Adam divides by its running RMS, so its step size stays about lr",
-        "Lower the learning rate instead of clipping harder.",
+        "Lower the learning rate (or lengthen warm-up) instead of clipping harder.",
         ("learning_rate",)),
 }
 
@@ -328,6 +330,9 @@ class Diagnoser:
         self._smooth_loss: float | None = None
         self._min_smooth: float | None = None
         self.last_grad_spike: int | None = None
+        self._pre: dict[int, float] = {}
+        self._clips: deque[bool] = deque(maxlen=5)
+        self._clip_told: set[str] = set()
         self.last_loss_spike: int | None = None
 
     def set_backward_order(self, order: Iterable[int] | None) -> None:
@@ -422,6 +427,7 @@ class Diagnoser:
         self._updates(s, out)
         self._warmup(s, loss, out)
         self._amp(s, out)
+        self._clipping(s, out)
 
     def _nonfinite(self, s: Step, bad: np.ndarray, out: list[Alert]) -> None:
         step = s.step
@@ -685,6 +691,36 @@ class Diagnoser:
             f"above its minimum while the learning rate climbed from {_f(first_lr)} to {_f(lr)}",
             evidence={"loss_smoothed": self._smooth_loss, "loss_min": self._min_smooth, "lr": float(lr),
                       "lr_before": first_lr}))
+
+    def _clipping(self, s: Step, out: list[Alert]) -> None:
+        """Pre-clip norm (``total`` of step k) against the norm right before ``optimizer.step()`` of
+        step k (``clip_total``, measured on detail steps and shipped with a later step)."""
+        if _finite(s.total):
+            self._pre[s.step] = s.total
+            while len(self._pre) > 512:
+                self._pre.pop(next(iter(self._pre)))
+        if s.clip_total is None or s.clip_step is None or not _finite(s.clip_total):
+            return
+        pre = self._pre.get(s.clip_step)
+        if pre is None or pre <= 0:
+            return
+        clipped = s.clip_total < 0.9 * pre
+        self._clips.append(clipped)
+        adam = self.schema.optimizer.lower().rstrip("w") in ("adam", "adamax", "nadam", "radam", "adafactor") \
+            or "adam" in self.schema.optimizer.lower()
+        if not adam or sum(self._clips) < 3:
+            return
+        troubled = sum(self._ur_hits) >= 2 or (self.last_grad_spike is not None and s.step - self.last_grad_spike <= 100)
+        sev = "warning" if troubled else "info"
+        if sev in self._clip_told or (sev == "info" and self._clip_told):
+            return  # a property of the run's setup: said once (the warning once more if trouble starts)
+        self._clip_told.add(sev)
+        out.append(self._alert(
+            "clip_ineffective", s.step, f"clipping cuts the gradient norm {_f(pre)} -> {_f(s.clip_total)} at step "
+            f"{s.clip_step}, but {self.schema.optimizer} normalises by the gradient's RMS: its step size stays "
+            f"about the learning rate" + ("; and the weights still move too fast" if troubled else ""),
+            severity=sev, evidence={"pre_clip": pre, "post_clip": float(s.clip_total),
+                                    "clipped_measurements": float(sum(self._clips))}))
 
     def _amp(self, s: Step, out: list[Alert]) -> None:
         self._skip_run = self._skip_run + 1 if s.skipped else 0

@@ -193,6 +193,10 @@ class Step:
     #: With every > 1: non-finite values seen on the steps since the last published one that were not
     #: published themselves ("loss"/"inputs"/"targets": how many steps; "first_step" when known).
     missed: dict[str, int] = field(default_factory=dict)
+    #: The total gradient norm right before ``optimizer.step()`` of step ``clip_step`` (after any
+    #: clipping the user did), measured on detail steps: with ``total`` it shows clipping at work.
+    clip_total: float | None = None
+    clip_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,6 +377,8 @@ def step_body(s: Step) -> dict[str, Any]:
         b["user"] = dict(s.user)
     if s.missed:
         b["missed"] = dict(s.missed)
+    if s.clip_total is not None and s.clip_step is not None:
+        b["clip"] = [s.clip_step, s.clip_total]
     return b
 
 
@@ -588,6 +594,10 @@ def _decode_step(b: dict[str, Any]) -> Step:
     fnm = b.get("fnm")
     if fnm is not None and (type(fnm) is not int or not 0 <= fnm <= MAX_PARAMS):
         raise q.bad("fnm", "not a module index")
+    clip = b.get("clip")
+    if clip is not None and not (isinstance(clip, list) and len(clip) == 2 and type(clip[0]) is int
+                                 and type(clip[1]) in (int, float)):
+        raise q.bad("clip", "not [step, total]")
     return Step(
         run=q.str("run", max_len=64), step=q.int("step"), seq=q.int("seq"), ts=q.num("ts"),
         loss=q.num("loss", optional=True), total=q.num("total"), grad_norm=gn, grad_max=gmax,  # type: ignore[arg-type]
@@ -598,6 +608,7 @@ def _decode_step(b: dict[str, Any]) -> Step:
         scale=q.num("scale", default=None, optional=True), skipped=q.bool("skipped", default=False),
         data=data, act=act, first_nonfinite_module=fnm, user=q.scalars("user", default={}),
         missed=_missed(b.get("missed", {})),
+        clip_total=float(clip[1]) if clip is not None else None, clip_step=clip[0] if clip is not None else None,
     )
 
 

@@ -146,3 +146,54 @@ def test_arm_activation_statistics_from_a_viewer(runtime: Path) -> None:
     gw.close()
     assert len(with_act) == 5 and with_act == list(range(with_act[0], with_act[0] + 5)), with_act
     assert with_act[0] >= armed_at[0]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_clipping_is_measured_and_called_ineffective_under_adam(runtime: Path, optimizer: str) -> None:
+    """The norm right before optimizer.step() (after the user's clip_grad_norm_) is measured on detail
+    steps; under Adam, active clipping is flagged (it does not bound Adam's step), under SGD it is not."""
+    import threading
+
+    import torch
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = (torch.optim.Adam(m.parameters(), lr=0.3) if optimizer == "adam"
+           else torch.optim.SGD(m.parameters(), lr=0.01))
+    gw = gradwatch.watch(m, opt, name="clip", announce=False, detail_every=5)
+    alerts: list[Event] = []
+    clips: list[tuple[int, float]] = []
+    totals: dict[int, float] = {}
+
+    def read() -> None:
+        with gradwatch.connect(gw.run_id) as c:
+            for msg in c.records(timeout=3):
+                if isinstance(msg, Event) and msg.event == "alert":
+                    alerts.append(msg)
+                if isinstance(msg, Step):
+                    totals[msg.step] = msg.total
+                    if msg.clip_total is not None:
+                        clips.append((msg.clip_step, msg.clip_total))
+
+    t = threading.Thread(target=read)
+    t.start()
+    time.sleep(0.5)
+    x, y = torch.randn(64, 16), torch.randn(64, 1) * 10
+    for _ in range(200):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        gw.step(loss, inputs=x, targets=y)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+        opt.step()
+        opt.zero_grad()
+    gw.close()
+    t.join(20)
+    assert len(clips) >= 30 and {s % 5 for s, _ in clips} == {0}  # every detail step
+    for s, post in clips:
+        assert post == pytest.approx(min(0.1, totals[s]), rel=1e-3)  # exactly what clip_grad_norm_ left
+    flagged = [a for a in alerts if a.data["kind"] == "clip_ineffective"]
+    if optimizer == "adam":
+        assert flagged and "Adam normalises by the gradient's RMS" in flagged[0].message
+        assert flagged[0].data["evidence"]["post_clip"] == pytest.approx(0.1, rel=1e-3)
+    else:
+        assert not flagged

@@ -430,6 +430,7 @@ class Sender(threading.Thread):
             self._last_scale = scale
         ur = sl("ur")
         wn = sl("wn")
+        clip = scalar("clip")
         step = Step(
             run=self.cfg.run, step=work.step, seq=self._next_seq(), ts=work.ts, loss=loss, total=total,
             grad_norm=gn.tobytes(), grad_max=gmax.tobytes() if gmax is not None else None,  # type: ignore[arg-type]
@@ -438,5 +439,6 @@ class Sender(threading.Thread):
             update_ratio=ur.tobytes() if ur is not None else None,  # type: ignore[arg-type]
             update_step=meta.get("ur_step"), opt=tuple(opt), scale=scale, skipped=skipped, data=data, act=act,
             first_nonfinite_module=fnm, user=user, missed=missed,
+            clip_total=clip, clip_step=meta.get("clip_step") if clip is not None else None,
         )
         return step, events

@@ -545,7 +545,20 @@ class Watcher:
         except Exception:  # noqa: BLE001
             pass
 
+    _clip_due: int | None = None  # explicit mode: measure the norm before optimizer.step() of this step
+    _clip: tuple[int, torch.Tensor] | None = None
+
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._explicit and self._clip_due is not None and self._live():
+            # after the user's clipping, before the update: on detail steps only (one more norm pass)
+            step, self._clip_due = self._clip_due, None
+            try:
+                grads = [p.grad for p in self._probe.params]
+                vec = self._probe._norm_vec(grads, 2.0, all(g is not None for g in grads))
+                self._clip = (step, torch.linalg.vector_norm(vec))
+            except Exception as exc:  # noqa: BLE001
+                self._fail(exc)
+            return
         if self._explicit or not self._live():
             return
         if self._hook_boundary_done:  # scaler.step() already marked this boundary
@@ -596,6 +609,12 @@ class Watcher:
                 for gi, k, t in tensors:
                     parts.add(f"opt:{gi}:{k}", t)
         probe.collect(parts, meta, step, detail)
+        if self._clip is not None:
+            parts.add("clip", self._clip[1])
+            meta["clip_step"] = self._clip[0]
+            self._clip = None
+        if detail and self._explicit and self.optimizer is not None:
+            self._clip_due = step
         pc = self._pausectl
         if pc is not None and "nonfinite" in pc.pause_on:
             # one pause per non-finite episode: a run that stays NaN after "continue" is not paused
