@@ -125,7 +125,8 @@ KINDS: dict[str, Kind] = {
         "Clipping cannot help: the gradients are zero.",
         ("learning_rate", "loss_function", "activation")),
     "lr_too_high": Kind(
-        "warning", "weights move by more than 10% of their norm per step (update ratio ||dw||/||w||) for many steps",
+        "warning", "the whole model's update ratio sqrt(sum ||dw||^2 / sum ||w||^2) stays above 1.8e-2 (median of 5 "
+        "measurements), or exceeds 0.3 once",
         "the learning rate is far too high (a healthy update ratio is around 1e-3)",
         "Lower the learning rate by 10x or more. Clipping does not bound Adam's step size (it normalises the "
         "gradient), so it will not fix this.",
@@ -202,17 +203,18 @@ class Thresholds:
     dead_steps: int = 20  # consecutive steps of exactly-zero gradient (layer: dead; total: saturated)
     vanish_factor: float = 1e-4  # total norm below this fraction of its early level...
     vanish_steps: int = 30  # ...for this many steps, while the loss did not improve
-    update_ratio: float = 0.1  # median update ratio of the weight matrices above this...
-    update_ratio_hits: int = 5  # ...on this many of the last update_ratio_window measurements
-    update_ratio_window: int = 8
+    update_ratio: float = 0.018  # whole-model update ratio: the median of the last update_ratio_window...
+    update_ratio_window: int = 5  # ...measurements above update_ratio, or
+    update_ratio_extreme: float = 0.3  # ...one measurement above this
     warmup_lr_growth: float = 1.5  # LR grew by this factor over warmup_window steps...
     warmup_window: int = 50
     warmup_loss_rise: float = 1.3  # ...while the smoothed loss rose this far above its minimum
-    amp_skips: int = 3  # consecutive skipped optimizer steps
+    amp_skips: int = 5  # consecutive skipped optimizer steps (a few at start-up are the scaler calibrating)
     input_abs: float = 1e3
     input_std: float = 1e2
     target_z: float = 20.0
     rearm: int = 50  # quiet steps before an alert of the same kind and layer can fire again
+    layer_every: int = 4  # per-layer statistics every this many steps (and on any step where the total moved)
 
 
 class _Ema:
@@ -228,22 +230,54 @@ class _Ema:
     def z(self, x: np.ndarray | float) -> np.ndarray:
         """Robust z-score of ``x`` against the running level (0 where no statistics yet)."""
         with np.errstate(all="ignore"):
-            scale = np.maximum(self.dev * 1.4826, 0.05)  # 0.05 decades: a floor for very steady series
-            z = (np.asarray(x, dtype=np.float64) - self.mean) / scale
-        return np.where(self.count > 0, np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+            z = (np.asarray(x, dtype=np.float64) - self.mean) / np.maximum(self.dev * 1.4826, 0.05)
+        z[~np.isfinite(z) | (self.count == 0)] = 0.0  # 0.05 decades above: a floor for very steady series
+        return z
 
     def update(self, x: np.ndarray | float, ok: np.ndarray | bool, slow: np.ndarray | bool = False) -> None:
         """Fold in finite ``x`` where ``ok``; ``slow`` (a spike) moves the baseline 10x more slowly."""
         x = np.asarray(x, dtype=np.float64)
         ok = np.asarray(ok) & np.isfinite(x)
         first = ok & (self.count == 0)
-        a = np.where(np.asarray(slow), self.alpha / 10, self.alpha)
+        a = np.where(slow, self.alpha / 10, self.alpha) if np.any(slow) else self.alpha
         with np.errstate(all="ignore"):
-            d = np.abs(x - self.mean)
-            mean = np.where(first, x, np.where(ok, self.mean + a * (x - self.mean), self.mean))
-            dev = np.where(first, 0.0, np.where(ok, self.dev + a * (d - self.dev), self.dev))
-        self.mean, self.dev = mean, dev
-        self.count = self.count + ok
+            step = np.where(ok, x - self.mean, 0.0)
+            d = np.where(ok, np.abs(x - self.mean) - self.dev, 0.0)
+            self.mean = self.mean + a * step
+            self.dev = self.dev + a * d
+        if first.any():
+            self.mean[first] = x[first]
+            self.dev[first] = 0.0
+        self.count += ok
+
+
+class _Ema1:
+    """:class:`_Ema` for one series, in plain floats (the vector version costs ~20 us a call here)."""
+
+    __slots__ = ("mean", "dev", "count", "alpha")
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        self.mean = 0.0
+        self.dev = 0.0
+        self.count = 0
+        self.alpha = alpha
+
+    def z(self, x: float) -> float:
+        if not self.count or not math.isfinite(x):
+            return 0.0
+        return (x - self.mean) / max(self.dev * 1.4826, 0.05)
+
+    def update(self, x: float, ok: bool = True, slow: bool = False) -> None:
+        if not ok or not math.isfinite(x):
+            return
+        if not self.count:
+            self.mean, self.dev = x, 0.0
+        else:
+            a = self.alpha / 10 if slow else self.alpha
+            d = abs(x - self.mean)
+            self.mean += a * (x - self.mean)
+            self.dev += a * (d - self.dev)
+        self.count += 1
 
 
 class _Gate:
@@ -253,6 +287,10 @@ class _Gate:
     def __init__(self, rearm: int) -> None:
         self.rearm = rearm
         self._last_true: dict[Any, int] = {}
+
+    def seen(self, kind: str) -> bool:
+        """Whether an alert of this kind has fired (any layer)."""
+        return any(k[0] == kind for k in self._last_true)
 
     def __call__(self, key: Any, cond: bool, step: int) -> bool:
         last = self._last_true.get(key)
@@ -310,8 +348,8 @@ class Diagnoser:
         self._gate = _Gate(self.t.rearm)
         self.steps = 0
         # running statistics
-        self._loss = _Ema()
-        self._total = _Ema()
+        self._loss = _Ema1()
+        self._total = _Ema1()
         self._layers = _Ema(n)
         self._loss_hist: deque[tuple[int, float]] = deque(maxlen=max(self.t.warmup_window, self.t.vanish_steps) + 1)
         self._lr_hist: deque[tuple[int, float]] = deque(maxlen=self.t.warmup_window + 1)
@@ -322,16 +360,22 @@ class Diagnoser:
         self._early_loss: list[float] = []
         self._vanish_run = 0
         self._ur_hits: deque[bool] = deque(maxlen=self.t.update_ratio_window)
+        self._ratios: deque[float] = deque(maxlen=self.t.update_ratio_window)
+        self._wn_at: dict[int, np.ndarray] = {}
         self._last_ur_step: int | None = None
         self._skip_run = 0
         self._backoffs: deque[int] = deque(maxlen=8)
         self._last_scale: float | None = None
-        self._target = _Ema()
+        self._target = _Ema1()
         self._smooth_loss: float | None = None
         self._min_smooth: float | None = None
         self.last_grad_spike: int | None = None
         self._pre: dict[int, float] = {}
         self._clips: deque[bool] = deque(maxlen=5)
+        self._early: tuple[float, float | None] | None = None
+        self._big_update: tuple[int, float] | None = None
+        self._big_pending = False
+        self._zero_window: deque[bool] = deque(maxlen=self.t.dead_steps)
         self._clip_told: set[str] = set()
         self.last_loss_spike: int | None = None
 
@@ -425,6 +469,7 @@ class Diagnoser:
         self._spikes(s, loss, total, gn, nograd, bad, out)
         self._zeros(step, loss, total, gn, nograd, out)
         self._updates(s, out)
+        self._held_update(s, out)
         self._warmup(s, loss, out)
         self._amp(s, out)
         self._clipping(s, out)
@@ -439,7 +484,7 @@ class Diagnoser:
             self._fire(out, ("nonfinite_loss",), True, step, lambda: self._alert(
                 "nonfinite_loss", step, f"loss was non-finite on {s.missed['loss']} unpublished step(s) before step {step}",
                 evidence=ev))
-        if len(bad):
+        if len(bad) and not s.skipped:  # GradScaler skips this step: the weights stay clean (see _amp)
             first = int(bad[np.argmin(self._bw_pos[bad])])
             counts = [c for i, c in s.nonfinite.items() if c > 0]
             listed = ", ".join(self.names[i] for i in sorted(bad, key=lambda i: self._bw_pos[i])[:5])
@@ -557,6 +602,11 @@ class Diagnoser:
             tz = float(self._total.z(math.log10(total)))
             level = _exp10(float(self._total.mean)) if self._total.count else total
             spike = warm and tz >= t.spike_z and total >= t.grad_spike_ratio * level
+            # per-layer statistics are the costly part (O(n) numpy per step, in a thread that holds the
+            # GIL beside the training loop): every layer_every steps, and whenever the total moved
+            if not (spike or tz >= 3.0 or self.steps % t.layer_every == 0):
+                self._total.update(math.log10(total), True)
+                return
             lg = _log10(gn)
             ok = np.isfinite(lg) & ~nograd
             lzs = self._layers.z(lg)
@@ -605,22 +655,54 @@ class Diagnoser:
         t = self.t
         if total is None:
             return
-        # the whole network: exactly zero gradients while the loss is not zero -> saturated
-        self._total_zero_run = self._total_zero_run + 1 if total == 0 else 0
-        sat = self._total_zero_run >= t.dead_steps and loss is not None and loss > 0
-        recent = [v for _, v in list(self._loss_hist)[-t.dead_steps:]]
-        self._fire(out, ("saturation",), sat, step, lambda: self._alert(
-            "saturation", step, f"gradient norm exactly 0 for {self._total_zero_run} steps while the loss stays at "
-            f"{_f(float(np.mean(recent)) if recent else loss)}: the network saturated (dead, not exploding)",
-            evidence={"zero_steps": float(self._total_zero_run), "loss": loss if loss is not None else math.nan,
-                      "loss_mean": float(np.mean(recent)) if recent else math.nan}))
+        # the whole network: (all but) exactly zero gradients while the loss is not zero -> saturated.
+        # 1e-20 counts as zero (a saturated sigmoid leaks 1e-29), and a stray non-zero step or two
+        # inside the window does not reset the count.
+        self._zero_window.append(total <= 1e-20)
+        self._total_zero_run = self._total_zero_run + 1 if total <= 1e-20 else 0
+        sat = (total <= 1e-20 and len(self._zero_window) == t.dead_steps
+               and sum(self._zero_window) >= t.dead_steps - 2 and loss is not None and loss > 0)
+        if sat and self._gate(("saturation",), True, step):
+            recent = [v for _, v in list(self._loss_hist)[-t.dead_steps:]]
+            mean = float(np.mean(recent)) if recent else (loss if loss is not None else math.nan)
+            ev = {"zero_steps": float(sum(self._zero_window)), "loss": loss if loss is not None else math.nan,
+                  "loss_mean": mean}
+            why, causes = "", None
+            if self._big_update is not None:
+                ev["update_step"], ev["update_ratio"] = float(self._big_update[0]), self._big_update[1]
+                why = (f", after the update of step {self._big_update[0]} moved the weights by "
+                       f"{self._big_update[1]:.3g}x their norm (learning rate far too high)")
+                causes = ("learning_rate", "loss_function", "activation")
+            out.append(self._alert(
+                "saturation", step, f"gradient norm exactly 0 on {sum(self._zero_window)} of the last {t.dead_steps} "
+                f"steps while the loss stays at {_f(mean)}: the network saturated (dead, not exploding){why}",
+                evidence=ev, causes=causes))
         if loss is not None:
             self._loss_hist.append((step, loss))
-        # one layer: exactly zero while others learn
+        # vanishing: collapsed far below its early level, loss not improving
+        if total > 0 and len(self._early_total) < t.warmup:
+            self._early_total.append(total)
+            if loss is not None:
+                self._early_loss.append(loss)
+        elif total > 0 and self._early_total:
+            if self._early is None:  # the early levels are fixed once the warm-up is over: compute once
+                self._early = (float(np.median(self._early_total)),
+                               float(np.median(self._early_loss)) if self._early_loss else None)
+            early, early_loss = self._early
+            stuck = early_loss is not None and loss is not None and loss >= 0.5 * early_loss
+            self._vanish_run = self._vanish_run + 1 if total < t.vanish_factor * early and stuck else 0
+            self._fire(out, ("vanishing_grad",), self._vanish_run >= t.vanish_steps, step, lambda: self._alert(
+                "vanishing_grad", step, f"gradient norm {_f(total)} is {early / total:.3g}x below its early level "
+                f"{_f(early)} for {self._vanish_run} steps while the loss stays at {_f(loss)}",
+                evidence={"total": total, "early": early, "loss": loss if loss is not None else math.nan}))
+        # one layer: exactly zero while others learn (checked every layer_every steps: O(n) numpy)
+        if self.steps % t.layer_every:
+            return
+        ticks = max(1, -(-t.dead_steps // t.layer_every))
         live = ~nograd
         self._zero_run = np.where(live & (gn == 0), self._zero_run + 1, 0)
         if total > 0:
-            dead = np.flatnonzero(self._zero_run == t.dead_steps)
+            dead = np.flatnonzero(self._zero_run == ticks)
             dead = dead[np.argsort(self._bw_pos[dead])] if len(dead) else dead
             fresh = [self.names[int(i)] for i in dead if self._gate(("dead_grad", self.names[int(i)]), True, step)]
             if fresh:  # layers dying together are one event: one alert naming them all
@@ -629,46 +711,73 @@ class Diagnoser:
                     "dead_grad", step, f"{', '.join(fresh[:5])}{more}: gradient exactly 0 for {t.dead_steps} steps while "
                     "the rest of the network learns (a dead layer)", layer=fresh[0],
                     evidence={"zero_steps": float(t.dead_steps), "total": total, "layers": float(len(fresh))}))
-            for i in np.flatnonzero(self._zero_run > t.dead_steps):  # still dead: keep the gate closed
+            for i in np.flatnonzero(self._zero_run > ticks):  # still dead: keep the gate closed
                 self._gate(("dead_grad", self.names[int(i)]), True, step)
-        # vanishing: collapsed far below its early level, loss not improving
-        if total > 0 and len(self._early_total) < t.warmup:
-            self._early_total.append(total)
-            if loss is not None:
-                self._early_loss.append(loss)
-        elif total > 0 and self._early_total:
-            early = float(np.median(self._early_total))
-            early_loss = float(np.median(self._early_loss)) if self._early_loss else None
-            stuck = early_loss is not None and loss is not None and loss >= 0.5 * early_loss
-            self._vanish_run = self._vanish_run + 1 if total < t.vanish_factor * early and stuck else 0
-            self._fire(out, ("vanishing_grad",), self._vanish_run >= t.vanish_steps, step, lambda: self._alert(
-                "vanishing_grad", step, f"gradient norm {_f(total)} is {early / total:.3g}x below its early level "
-                f"{_f(early)} for {self._vanish_run} steps while the loss stays at {_f(loss)}",
-                evidence={"total": total, "early": early, "loss": loss if loss is not None else math.nan}))
 
     def _updates(self, s: Step, out: list[Alert]) -> None:
+        """Whole-model update ratio sqrt(sum ||dw||^2 / sum ||w||^2) from the per-parameter ratios and the
+        weight norms of the step they belong to (both come on detail steps). Per-parameter medians and
+        maxima do not separate healthy from too-high learning rates (zero-initialised biases report 1);
+        the whole-model ratio does: healthy runs stay at or below ~1e-2, too-high ones above ~2.5e-2."""
         t = self.t
+        if s.weight_norm is not None:
+            wn = np.frombuffer(s.weight_norm, dtype=np.float32).astype(np.float64)
+            if len(wn) == self.n:
+                self._wn_at[s.step] = wn
+                while len(self._wn_at) > 4:
+                    self._wn_at.pop(next(iter(self._wn_at)))
         if s.update_ratio is None or s.update_step == self._last_ur_step:
             return
         self._last_ur_step = s.update_step
         ur = np.frombuffer(s.update_ratio, dtype=np.float32).astype(np.float64)
-        if len(ur) != self.n:
+        wn = self._wn_at.get(s.update_step) if s.update_step is not None else None
+        if len(ur) != self.n or wn is None:
             return
-        sel = ur[self.is_matrix & np.isfinite(ur)] if self.is_matrix.any() else ur[np.isfinite(ur)]
-        if not len(sel):
+        ok = np.isfinite(ur) & np.isfinite(wn)
+        with np.errstate(all="ignore"):
+            den = float(np.sum(wn[ok] ** 2))
+            ratio = math.sqrt(float(np.sum((ur[ok] * wn[ok]) ** 2)) / den) if den > 0 else math.nan
+        if not math.isfinite(ratio):
             return
-        med = float(np.median(sel))
-        self._ur_hits.append(med > t.update_ratio)
-        hits = sum(self._ur_hits)
-        cond = hits >= t.update_ratio_hits
+        self._ratios.append(ratio)
+        self._ur_hits.append(ratio > t.update_ratio)
+        med = float(np.median(self._ratios))
+        full = len(self._ratios) == t.update_ratio_window
+        cond = full and med > t.update_ratio
+        if ratio > t.update_ratio_extreme and not cond and self._big_update is None:
+            # one huge update: held for a few steps, because if the gradient then collapses the LR has
+            # thrown the network into saturation, and that is the diagnosis (naming this update as cause)
+            self._big_update = (s.update_step if s.update_step is not None else s.step, ratio)
+            self._big_pending = True
         lr = s.opt[0].get("lr") if s.opt else None
-        top = int(np.argmax(np.where(np.isfinite(ur), ur, -1.0)))
+        sel = np.where(self.is_matrix & np.isfinite(ur), ur, -1.0) if self.is_matrix.any() else np.where(ok, ur, -1.0)
+        top = int(np.argmax(sel))
         self._fire(out, ("lr_too_high",), cond, s.step, lambda: self._alert(
-            "lr_too_high", s.step, f"weights move by {med:.3g} of their norm per step (median over weight matrices; "
-            f"healthy ~1e-3) on {hits} of the last {len(self._ur_hits)} measurements"
-            + (f", lr {_f(lr)}" if _finite(lr) else ""), layer=self.names[top],
-            evidence={"update_ratio_median": med, "update_ratio_max": float(ur[top]), "hits": float(hits),
+            "lr_too_high", s.step,
+            (f"the weights moved by {ratio:.3g} of their norm in one step" if ratio > t.update_ratio_extreme else
+             f"the weights move by {med:.3g} of their norm per step (median of the last {len(self._ratios)} "
+             f"measurements)") + " (healthy: ~1e-3 to 1e-2)" + (f", lr {_f(lr)}" if _finite(lr) else "")
+            + f"; fastest-moving matrix: {self.names[top]}", layer=self.names[top],
+            evidence={"update_ratio": ratio, "update_ratio_median": med, "fastest": float(ur[top]),
                       **({"lr": float(lr)} if _finite(lr) else {})}))
+
+    def _held_update(self, s: Step, out: list[Alert]) -> None:
+        """A single huge update (see _updates): an lr_too_high alert 10 steps later, unless the gradient
+        is collapsing meanwhile (then saturation, which names the update, is the diagnosis)."""
+        if not self._big_pending or self._big_update is None:
+            return
+        at, ratio = self._big_update
+        waited = s.step - at
+        collapsing = sum(self._zero_window) >= 5
+        if self._gate.seen("saturation"):
+            self._big_pending = False
+        elif waited >= 10 and (not collapsing or waited >= self.t.dead_steps + 10):
+            self._big_pending = False
+            lr = s.opt[0].get("lr") if s.opt else None
+            self._fire(out, ("lr_too_high",), True, s.step, lambda: self._alert(
+                "lr_too_high", s.step, f"the update of step {at} moved the weights by {ratio:.3g}x their norm "
+                f"(healthy: ~1e-3 to 1e-2)" + (f", lr {_f(lr)}" if _finite(lr) else ""),
+                evidence={"update_ratio": ratio, "update_step": float(at), **({"lr": float(lr)} if _finite(lr) else {})}))
 
     def _warmup(self, s: Step, loss: float | None, out: list[Alert]) -> None:
         t = self.t
