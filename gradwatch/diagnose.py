@@ -198,7 +198,7 @@ class Thresholds:
     explode_jump: float = 1e3  # one step's growth of the total gradient norm that is an explosion by itself
     explode_growth: float = 2.0  # per-step growth, sustained for explode_steps steps...
     explode_steps: int = 4
-    explode_total: float = 100.0  # ...and this much in all
+    explode_total: float = 16.0  # ...and this much in all (x2 for 4 steps)
     explode_floor: float = 1e2  # gradient norms below this are not called exploding
     dead_steps: int = 20  # consecutive steps of exactly-zero gradient (layer: dead; total: saturated)
     vanish_factor: float = 1e-4  # total norm below this fraction of its early level...
@@ -375,6 +375,9 @@ class Diagnoser:
         self._early: tuple[float, float | None] | None = None
         self._big_update: tuple[int, float] | None = None
         self._big_pending = False
+        self._no_index = np.zeros(0, dtype=np.int64)
+        self._layer_step: int | None = None
+        self._all_false = np.zeros(self.n, dtype=bool)
         self._zero_window: deque[bool] = deque(maxlen=self.t.dead_steps)
         self._clip_told: set[str] = set()
         self.last_loss_spike: int | None = None
@@ -394,11 +397,17 @@ class Diagnoser:
 
     # ------------------------------------------------------------------ feeding
 
-    def observe(self, s: Step) -> list[Alert]:
-        """All alerts this step raises (after hysteresis and silencing), most severe first."""
+    def observe(self, s: Step, layers: bool | None = None) -> list[Alert]:
+        """All alerts this step raises (after hysteresis and silencing), most severe first.
+
+        ``layers``: run the per-layer rules (O(n) numpy: spikes of single layers, dead layers, input
+        and target ranges) on this step; None: every ``Thresholds.layer_every`` steps. Everything else
+        -- non-finite values, the loss and the total norm, explosion, saturation, update ratios, AMP --
+        runs on every step, and so does the per-layer attribution of a total spike. The trainer paces
+        ``layers`` to keep the diagnosis near 1 % of training time."""
         out: list[Alert] = []
         try:
-            self._observe(s, out)
+            self._observe(s, out, (self.steps % self.t.layer_every == 0) if layers is None else layers)
         except Exception as exc:  # noqa: BLE001 - a rule bug must not take telemetry down; say so once
             out.append(Alert("diagnosis_error", "info", s.step, f"diagnosis rule failed: {type(exc).__name__}: {exc}"[:300]))
         self.steps += 1
@@ -451,23 +460,28 @@ class Diagnoser:
 
     # ------------------------------------------------------------------ the rules
 
-    def _observe(self, s: Step, out: list[Alert]) -> None:
+    def _observe(self, s: Step, out: list[Alert], full: bool) -> None:
         gn = np.frombuffer(s.grad_norm, dtype=np.float32).astype(np.float64) if self.n else np.zeros(0)
         if len(gn) != self.n:
             return
         step = s.step
-        bad = np.array(sorted(i for i in s.nonfinite if 0 <= i < self.n), dtype=np.int64)
-        nograd = np.zeros(self.n, dtype=bool)
-        for i in s.nograd:
-            if 0 <= i < self.n:
-                nograd[i] = True
+        bad = (np.array(sorted(i for i in s.nonfinite if 0 <= i < self.n), dtype=np.int64) if s.nonfinite
+               else self._no_index)
+        if s.nograd:
+            nograd = np.zeros(self.n, dtype=bool)
+            for i in s.nograd:
+                if 0 <= i < self.n:
+                    nograd[i] = True
+        else:
+            nograd = self._all_false
         self._nonfinite(s, bad, out)
         loss = s.loss if _finite(s.loss) else None
         total = s.total if _finite(s.total) else None
-        self._data(s, out)
+        if full:
+            self._data(s, out)
         self._explosion(step, total, out)
-        self._spikes(s, loss, total, gn, nograd, bad, out)
-        self._zeros(step, loss, total, gn, nograd, out)
+        self._spikes(s, loss, total, gn, nograd, bad, out, full)
+        self._zeros(step, loss, total, gn, nograd, out, full)
         self._updates(s, out)
         self._held_update(s, out)
         self._warmup(s, loss, out)
@@ -484,7 +498,7 @@ class Diagnoser:
             self._fire(out, ("nonfinite_loss",), True, step, lambda: self._alert(
                 "nonfinite_loss", step, f"loss was non-finite on {s.missed['loss']} unpublished step(s) before step {step}",
                 evidence=ev))
-        if len(bad) and not s.skipped:  # GradScaler skips this step: the weights stay clean (see _amp)
+        if len(bad):
             first = int(bad[np.argmin(self._bw_pos[bad])])
             counts = [c for i, c in s.nonfinite.items() if c > 0]
             listed = ", ".join(self.names[i] for i in sorted(bad, key=lambda i: self._bw_pos[i])[:5])
@@ -492,9 +506,13 @@ class Diagnoser:
             ev: dict[str, float] = {"params": len(bad), "first_index": first}
             if counts:
                 ev["elements"] = float(sum(counts))
-            self._fire(out, ("nonfinite_grad",), True, step, lambda: self._alert(
+            # on a step GradScaler skips, the weights stay clean and an occasional overflow is how AMP
+            # works: info, not critical (a streak of them is amp_overflow_streak)
+            skip = " -- GradScaler skips this step, the weights stay clean" if s.skipped else ""
+            self._fire(out, ("nonfinite_grad", bool(s.skipped)), True, step, lambda: self._alert(
                 "nonfinite_grad", step, f"non-finite gradient in {len(bad)} parameter(s) at step {step}; first in "
-                f"backward order: {self.names[first]} (all: {listed}{more})", layer=self.names[first], evidence=ev))
+                f"backward order: {self.names[first]} (all: {listed}{more}){skip}", layer=self.names[first],
+                evidence=ev, severity="info" if s.skipped else None))
         if s.weight_norm is not None:
             wn = np.frombuffer(s.weight_norm, dtype=np.float32)
             wbad = np.flatnonzero(~np.isfinite(wn)) if len(wn) == self.n else np.zeros(0, dtype=np.int64)
@@ -578,7 +596,7 @@ class Diagnoser:
                       "growth": total / prev if prev else math.nan}))
 
     def _spikes(self, s: Step, loss: float | None, total: float | None, gn: np.ndarray, nograd: np.ndarray,
-                bad: np.ndarray, out: list[Alert]) -> None:
+                bad: np.ndarray, out: list[Alert], full: bool) -> None:
         t, step = self.t, s.step
         warm = self.steps >= t.warmup
         # loss (log domain while it is positive)
@@ -604,8 +622,8 @@ class Diagnoser:
             spike = warm and tz >= t.spike_z and total >= t.grad_spike_ratio * level
             # per-layer statistics are the costly part (O(n) numpy per step, in a thread that holds the
             # GIL beside the training loop): every layer_every steps, and whenever the total moved
-            if not (spike or tz >= 3.0 or self.steps % t.layer_every == 0):
-                self._total.update(math.log10(total), True)
+            if not (spike or tz >= 3.0 or full):
+                self._total.update(math.log10(total), True, slow=tz <= -t.spike_z)
                 return
             lg = _log10(gn)
             ok = np.isfinite(lg) & ~nograd
@@ -646,12 +664,12 @@ class Diagnoser:
                                                layer=self.names[i], evidence={"norm": float(gn[i]),
                                                                               "baseline": float(level_l[i]),
                                                                               "z": float(lzs[i])}))
-            self._total.update(math.log10(total), True, slow=spike)
-            jumped = lzs >= t.layer_spike_z
+            self._total.update(math.log10(total), True, slow=spike or tz <= -t.spike_z)
+            jumped = np.abs(lzs) >= t.layer_spike_z  # outliers either way move the baseline only slowly
             self._layers.update(lg, ok, slow=jumped)
 
     def _zeros(self, step: int, loss: float | None, total: float | None, gn: np.ndarray, nograd: np.ndarray,
-               out: list[Alert]) -> None:
+               out: list[Alert], full: bool) -> None:
         t = self.t
         if total is None:
             return
@@ -695,14 +713,18 @@ class Diagnoser:
                 "vanishing_grad", step, f"gradient norm {_f(total)} is {early / total:.3g}x below its early level "
                 f"{_f(early)} for {self._vanish_run} steps while the loss stays at {_f(loss)}",
                 evidence={"total": total, "early": early, "loss": loss if loss is not None else math.nan}))
-        # one layer: exactly zero while others learn (checked every layer_every steps: O(n) numpy)
-        if self.steps % t.layer_every:
+        # one layer: exactly zero while others learn (on the per-layer steps: O(n) numpy); runs are
+        # counted in steps, whatever the spacing of the per-layer steps
+        if not full:
             return
-        ticks = max(1, -(-t.dead_steps // t.layer_every))
+        gap = step - self._layer_step if self._layer_step is not None else 1
+        self._layer_step = step
         live = ~nograd
-        self._zero_run = np.where(live & (gn == 0), self._zero_run + 1, 0)
+        before = self._zero_run
+        self._zero_run = np.where(live & (gn == 0), before + max(1, gap), 0)
+        ticks = t.dead_steps
         if total > 0:
-            dead = np.flatnonzero(self._zero_run == ticks)
+            dead = np.flatnonzero((self._zero_run >= ticks) & (before < ticks))
             dead = dead[np.argsort(self._bw_pos[dead])] if len(dead) else dead
             fresh = [self.names[int(i)] for i in dead if self._gate(("dead_grad", self.names[int(i)]), True, step)]
             if fresh:  # layers dying together are one event: one alert naming them all

@@ -34,6 +34,10 @@ BATCH_BYTES = 512 * 1024
 DRAIN_S = 0.02
 #: After this many consecutive failures the sender stops trying (one warning); training goes on.
 MAX_CONSECUTIVE_ERRORS = 20
+#: The per-layer diagnosis is spaced to cost about this share of training time...
+DIAGNOSIS_BUDGET = 0.01
+#: ...but runs at least once per this many steps.
+DIAGNOSIS_MAX_GAP = 16
 #: At most one schema + history replay per this many seconds, however many viewers join.
 HISTORY_MIN_INTERVAL_S = 0.25
 
@@ -97,6 +101,11 @@ class Sender(threading.Thread):
         self._flight: str | None = None  # the flight-recorder file, once written ("" if it failed)
         self._flight_told = False
         self._remembered = -1
+        self._d_ts: float | None = None  # diagnosis pacing (see _layers_due)
+        self._d_interval: float | None = None
+        self._d_since = 0
+        self._d_full: float | None = None
+        self._d_light: float | None = None
         self._consecutive_errors = 0
         self.last_error: str | None = None
 
@@ -151,6 +160,7 @@ class Sender(threading.Thread):
                     try:
                         while self._queue and time.monotonic() < deadline:
                             self._process(self._queue.popleft(), zmq)
+                            time.sleep(0)  # let the training thread have the GIL between steps
                     finally:
                         self._flush(zmq)
                     now = time.monotonic()
@@ -272,7 +282,10 @@ class Sender(threading.Thread):
             order = item.meta.get("backward_order")
             if order is not None:
                 diag.set_backward_order(order)
-            alerts = diag.observe(step)
+            full = self._layers_due(step.ts)
+            t0 = time.perf_counter()
+            alerts = diag.observe(step, layers=full)
+            self._diag_cost(full, time.perf_counter() - t0)
             for ev in events:
                 alerts += diag.observe_event(Event(run=self.cfg.run, seq=0, ts=step.ts, event=ev.event, step=ev.step,
                                                    message=ev.message, data=ev.data))
@@ -301,6 +314,28 @@ class Sender(threading.Thread):
             self._flush(zmq)
         for ev in events:
             self._send(self._event_body(ev), zmq)
+
+    def _layers_due(self, ts: float) -> bool:
+        """Whether this step gets the per-layer diagnosis: spaced so that it costs about
+        DIAGNOSIS_BUDGET of training time (measured, like the detail steps), at least every
+        DIAGNOSIS_MAX_GAP steps. The per-step rules (non-finite, spikes, explosion...) always run."""
+        if self._d_ts is not None and ts > self._d_ts:
+            self._d_interval = _ema(self._d_interval, ts - self._d_ts)
+        self._d_ts = ts
+        self._d_since += 1
+        gap = 4
+        if self._d_full is not None and self._d_interval:
+            gap = math.ceil(self._d_full / (DIAGNOSIS_BUDGET * self._d_interval))
+        due = self._d_since >= max(1, min(DIAGNOSIS_MAX_GAP, gap))
+        if due:
+            self._d_since = 0
+        return due
+
+    def _diag_cost(self, full: bool, took: float) -> None:
+        if full:
+            self._d_full = _ema(self._d_full, took)
+        else:
+            self._d_light = _ema(self._d_light, took)
 
     def _write_flight(self, step: int) -> str:
         """The flight recorder: schema, the last ``flight_steps`` steps and recent events, next to the
@@ -442,3 +477,7 @@ class Sender(threading.Thread):
             clip_total=clip, clip_step=meta.get("clip_step") if clip is not None else None,
         )
         return step, events
+
+
+def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
+    return new if old is None else old + alpha * (new - old)
