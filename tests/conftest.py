@@ -18,6 +18,8 @@ def runtime(monkeypatch: pytest.MonkeyPatch) -> Path:
     """A short, private GRADWATCH_RUNTIME_DIR (short so ipc paths stay far below 107 bytes)."""
     d = Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))
     monkeypatch.setenv("GRADWATCH_RUNTIME_DIR", str(d))
+    # recordings and flight records of the trainers a test starts stay out of ~/.local/state
+    monkeypatch.setenv("GRADWATCH_RECORD_DIR", str(d / "rec"))
     yield d
     subprocess.run(["rm", "-rf", str(d)], check=False)
 
