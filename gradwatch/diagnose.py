@@ -400,9 +400,9 @@ class Diagnoser:
     def observe(self, s: Step, layers: bool | None = None) -> list[Alert]:
         """All alerts this step raises (after hysteresis and silencing), most severe first.
 
-        ``layers``: run the per-layer rules (O(n) numpy: spikes of single layers, dead layers, input
-        and target ranges) on this step; None: every ``Thresholds.layer_every`` steps. Everything else
-        -- non-finite values, the loss and the total norm, explosion, saturation, update ratios, AMP --
+        ``layers``: run the per-layer rules (O(n) numpy: spikes of single layers, dead layers) on this
+        step; None: every ``Thresholds.layer_every`` steps. Everything else -- non-finite values, the
+        loss and the total norm, explosion, saturation, update ratios, AMP, input and target ranges --
         runs on every step, and so does the per-layer attribution of a total spike. The trainer paces
         ``layers`` to keep the diagnosis near 1 % of training time."""
         out: list[Alert] = []
@@ -477,8 +477,7 @@ class Diagnoser:
         self._nonfinite(s, bad, out)
         loss = s.loss if _finite(s.loss) else None
         total = s.total if _finite(s.total) else None
-        if full:
-            self._data(s, out)
+        self._data(s, out)  # scalar statistics: cheap, and a bad batch lasts one step
         self._explosion(step, total, out)
         self._spikes(s, loss, total, gn, nograd, bad, out, full)
         self._zeros(step, loss, total, gn, nograd, out, full)
