@@ -199,7 +199,9 @@ def test_local_diagnosis_raises_each_alert_once_with_evidence() -> None:
     assert by["skipped_step"].severity == "info"
     for a in st.alerts:
         assert isinstance(a, Alert) and a.evidence and a.advice and a.message
-    assert st.alerts[-1].kind == "grad_spike"  # newest first
+    assert st.alerts[-1].kind == "grad_spike"  # newest step first...
+    at300 = [a.kind for a in st.alerts if a.step == 300]  # ...and within a step, the cause first
+    assert at300[:4] == ["nonfinite_input", "nonfinite_activation", "nonfinite_loss", "nonfinite_grad"]
 
 
 def test_trainer_side_diagnosis_is_not_repeated_here() -> None:
@@ -264,7 +266,7 @@ def test_trainer_alert_events_and_the_500_cap() -> None:
         "critical", "dead_layer", "p1", {"ratio": 0.0}, "re-init", 4, 7.0)
     assert "\x1b" not in a.message and "\x07" not in a.message
     st.apply(Event(run="r1", seq=2, ts=7.0, event="alert", step=4, data={"severity": "apocalyptic"}), 0.0)
-    assert st.alerts[0].severity == "warning"
+    assert st.alerts[1].severity == "warning"  # same step: after the one raised first
     st.apply(Event(run="r1", seq=3, ts=7.0, event="scaler_backoff", step=9, message="65536 -> 32768",
                    data={"from": 65536.0, "to": 32768.0}), 0.0)
     assert st.alerts[0].kind == "scaler_backoff" and st.alerts[0].evidence == {"from": 65536.0, "to": 32768.0}

@@ -630,7 +630,11 @@ class RunState:
         if len(spans) > 16:
             del spans[0]
         ts = ts if isinstance(ts, float) and math.isfinite(ts) else 0.0
-        self.alerts.insert(0, Alert(step=step, severity=d.severity, kind=d.kind, layer=d.layer,
+        # newest step first; within one step, in the order raised (the diagnosis raises cause first)
+        at = 0
+        while at < len(self.alerts) and self.alerts[at].step == step:
+            at += 1
+        self.alerts.insert(at, Alert(step=step, severity=d.severity, kind=d.kind, layer=d.layer,
                                     message=clean(d.message, 300), evidence=dict(d.evidence),
                                     advice=clean(d.advice, 300), ts=ts,
                                     causes=tuple(clean(c, 40) for c in d.causes[:8])))
