@@ -79,4 +79,5 @@ async def debugger() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("GRADWATCH_RUNTIME_DIR", tempfile.mkdtemp(prefix="gw"))
+    os.environ.setdefault("GRADWATCH_RECORD_DIR", os.path.join(os.environ["GRADWATCH_RUNTIME_DIR"], "rec"))
     asyncio.run(debugger() if "--debugger" in sys.argv[1:] else main())
