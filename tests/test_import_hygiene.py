@@ -37,3 +37,13 @@ def test_watch_loads_no_ui_and_no_pdb() -> None:
 def test_client_and_cli_do_not_need_torch() -> None:
     mods = _modules_after("import gradwatch, gradwatch.client, gradwatch.cli; gradwatch.runs()")
     assert "torch" not in mods
+
+
+def test_diagnosis_and_control_client_load_neither_torch_nor_ui() -> None:
+    """The alert rules run in the trainer and in the viewer: pure Python and numpy. The command client
+    (gradwatch debug, the viewer's link) needs no torch and no Textual; the viewer needs no torch."""
+    mods = _modules_after("import gradwatch.diagnose, gradwatch.controller, gradwatch.tui.control")
+    for name in (*HEAVY_UI, "torch", "pdb"):
+        assert name not in mods, name
+    mods = _modules_after("import gradwatch.tui.app, gradwatch.tui.pause, gradwatch.tui.screens.console")
+    assert "torch" not in mods and "pdb" not in mods
