@@ -84,6 +84,7 @@ def test_pause_without_terminal_evaluate_and_continue(runtime: Path) -> None:
             assert ctl.run_line("p gw.nonfinite()").strip() == "[]"
             where = ctl.run_line("where")
             assert "_trainer.py" in where  # the user's loop is on the stack, up from the pause frame
+            assert "tests/_trainer.py" in where and str(ROOT) not in where + ctl.banner  # short paths
             ctl.input("c")
             deadline = time.monotonic() + 10
             while ctl.paused and time.monotonic() < deadline:

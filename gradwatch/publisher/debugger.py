@@ -169,6 +169,13 @@ def _make_pdb(channel: DebugChannel | None) -> Any:
                 return
             super().do_interact(arg)
 
+        def format_stack_entry(self, frame_lineno: Any, lprefix: str = ": ") -> str:
+            """Paths relative to the project or the package: the location line stays readable on a narrow
+            console and does not spell out this machine's directories."""
+            text = super().format_stack_entry(frame_lineno, lprefix)
+            name = self.canonic(frame_lineno[0].f_code.co_filename)
+            return text.replace(name, _short_path(name), 1)
+
         def get_stack(self, f: Any, t: Any) -> tuple[list[Any], int]:
             stack, index = super().get_stack(f, t)
             keep = [(fr, ln) for fr, ln in stack
@@ -193,6 +200,15 @@ def _pause_frame(model: Any, optimizer: Any, loss: Any, inputs: Any, targets: An
     training script's globals (see :func:`debug_session`), so ``torch`` and the user's helpers resolve."""
     _dbg.set_trace(_here())
     return None  # paused by gradwatch: model, optimizer, loss, inputs, targets, step, gw; `up` = your loop
+
+
+def _short_path(path: str) -> str:
+    """``gradwatch/publisher/debugger.py`` for gradwatch's own files, a path relative to the working
+    directory for files under it, else the path unchanged."""
+    for base in (os.path.dirname(_PKG), os.getcwd()):
+        if base and path.startswith(base.rstrip(os.sep) + os.sep):
+            return os.path.relpath(path, base)
+    return path
 
 
 def _user_frame() -> Any:
