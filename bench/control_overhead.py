@@ -100,7 +100,7 @@ def main() -> int:
     stop.set()
     t.join(2)
 
-    pc = PauseControl(rank=0, world=1, max_pause=None, pause_on=(), run="x", namespace=dict,
+    pc = PauseControl(rank=0, world=1, max_pause=None, pause_on=(), run="x",
                       event=lambda *a, **k: None, log=lambda s: None)
     n = 200_000
     t0 = time.perf_counter()

@@ -365,7 +365,6 @@ class Diagnoser:
         self._last_ur_step: int | None = None
         self._skip_run = 0
         self._backoffs: deque[int] = deque(maxlen=8)
-        self._last_scale: float | None = None
         self._target = _Ema1()
         self._smooth_loss: float | None = None
         self._min_smooth: float | None = None

@@ -26,6 +26,14 @@ def clean(s: object, max_len: int = 120) -> str:
     return text
 
 
+_UNSAFE_BLOCK = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff\ufff9-\ufffb]")
+
+
+def clean_block(s: str) -> str:
+    """Like :func:`clean` for multi-line text (debugger output): keeps newlines and tabs, no length cut."""
+    return _UNSAFE_BLOCK.sub("\N{REPLACEMENT CHARACTER}", s.replace("\r\n", "\n"))
+
+
 def num(x: float | None, digits: int = 4) -> str:
     """A compact number that says plainly when it is not finite."""
     if x is None:

@@ -264,7 +264,7 @@ def test_resume_before_the_pause_withdraws_it() -> None:
     from gradwatch.protocol import Command
     from gradwatch.publisher.pause import PauseControl
 
-    pc = PauseControl(rank=0, world=1, max_pause=None, pause_on=(), run="r", namespace=dict,
+    pc = PauseControl(rank=0, world=1, max_pause=None, pause_on=(), run="r",
                       event=lambda *a, **k: None, log=lambda line: None)
     assert pc.check(5) is False
     ok, msg, _ = pc.handle(Command("s", 1, time.time(), "pause", {}))

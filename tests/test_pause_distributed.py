@@ -309,7 +309,7 @@ def _ranks(world: int):
 
     store = dist.HashStore()
     logs: list[str] = []
-    pcs = [PauseControl(rank=r, world=world, max_pause=None, pause_on=(), run=f"r{r}", namespace=dict,
+    pcs = [PauseControl(rank=r, world=world, max_pause=None, pause_on=(), run=f"r{r}",
                         event=lambda *a, **k: None, log=logs.append, store=store) for r in range(world)]
     return pcs, logs
 

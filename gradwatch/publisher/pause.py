@@ -77,7 +77,7 @@ class PauseControl:
     (:meth:`check`, :meth:`pause_here`), coordinator thread (:class:`StoreCoordinator`)."""
 
     def __init__(self, *, rank: int, world: int, max_pause: float | None, pause_on: tuple[str, ...],
-                 run: str, namespace: Callable[[], dict[str, Any]], event: Callable[..., None],
+                 run: str, event: Callable[..., None],
                  log: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
                  store: Any = None, arm: Callable[[str, int], str] | None = None) -> None:
         self.rank = rank
@@ -86,7 +86,6 @@ class PauseControl:
         self.max_pause = max_pause
         self.pause_on = set(pause_on)
         self.run = run
-        self._namespace = namespace
         self._event = event
         self._log = log
         self._clock = clock

@@ -100,12 +100,10 @@ class Sender(threading.Thread):
         self.failed = False
         self._flight: str | None = None  # the flight-recorder file, once written ("" if it failed)
         self._flight_told = False
-        self._remembered = -1
         self._d_ts: float | None = None  # diagnosis pacing (see _layers_due)
         self._d_interval: float | None = None
         self._d_since = 0
         self._d_full: float | None = None
-        self._d_light: float | None = None
         self._consecutive_errors = 0
         self.last_error: str | None = None
 
@@ -277,36 +275,10 @@ class Sender(threading.Thread):
             self._send(self._event_body(item), zmq)
             return
         step, events = self.build_step(item)
-        diag = self.cfg.diagnoser
-        if diag is not None:
-            order = item.meta.get("backward_order")
-            if order is not None:
-                diag.set_backward_order(order)
-            full = self._layers_due(step.ts)
-            t0 = time.perf_counter()
-            alerts = diag.observe(step, layers=full)
-            self._diag_cost(full, time.perf_counter() - t0)
-            for ev in events:
-                alerts += diag.observe_event(Event(run=self.cfg.run, seq=0, ts=step.ts, event=ev.event, step=ev.step,
-                                                   message=ev.message, data=ev.data))
-            if self._flight is None and any(a.severity == "critical" for a in alerts) and self.cfg.flight_steps:
-                self._remember(msgpack.packb(protocol.step_body(step), use_bin_type=True))
-                self._remembered = step.step
-                self._flight = self._write_flight(step.step)
-            for a in alerts:
-                data = a.event_data()
-                message = a.message
-                if a.severity == "critical" and self._flight and not self._flight_told:
-                    self._flight_told = True
-                    data["flight_record"] = self._flight
-                    message += f"; the last {self.cfg.flight_steps} steps are in {self._flight}"
-                events.append(_EventItem("alert", a.step, message, data))
-                self.counters["alerts"] = self.counters.get("alerts", 0) + 1
-                if self.cfg.on_alert is not None:
-                    self.cfg.on_alert(a)
         body = msgpack.packb(protocol.step_body(step), use_bin_type=True)
-        if self._remembered != step.step:
-            self._remember(body)
+        self._remember(body)  # before the diagnosis: a flight record includes the step that raised it
+        if self.cfg.diagnoser is not None:
+            events += self._diagnose(step, item.meta.get("backward_order"), events)
         self._last_step = step.step
         self._batch.append(body)
         self._batch_bytes += len(body)
@@ -314,6 +286,34 @@ class Sender(threading.Thread):
             self._flush(zmq)
         for ev in events:
             self._send(self._event_body(ev), zmq)
+
+    def _diagnose(self, step: Step, backward_order: Any, events: list[_EventItem]) -> list[_EventItem]:
+        """Run the diagnosis on one step (and its scaler events); returns the alert events to send."""
+        diag = self.cfg.diagnoser
+        if backward_order is not None:
+            diag.set_backward_order(backward_order)
+        full = self._layers_due(step.ts)
+        t0 = time.perf_counter()
+        alerts = diag.observe(step, layers=full)
+        if full:
+            self._d_full = _ema(self._d_full, time.perf_counter() - t0)
+        for ev in events:
+            alerts += diag.observe_event(Event(run=self.cfg.run, seq=0, ts=step.ts, event=ev.event, step=ev.step,
+                                               message=ev.message, data=ev.data))
+        if self._flight is None and self.cfg.flight_steps and any(a.severity == "critical" for a in alerts):
+            self._flight = self._write_flight(step.step)
+        out = []
+        for a in alerts:
+            data, message = a.event_data(), a.message
+            if a.severity == "critical" and self._flight and not self._flight_told:
+                self._flight_told = True
+                data["flight_record"] = self._flight
+                message += f"; the last {self.cfg.flight_steps} steps are in {self._flight}"
+            out.append(_EventItem("alert", a.step, message, data))
+            self.counters["alerts"] = self.counters.get("alerts", 0) + 1
+            if self.cfg.on_alert is not None:
+                self.cfg.on_alert(a)
+        return out
 
     def _layers_due(self, ts: float) -> bool:
         """Whether this step gets the per-layer diagnosis: spaced so that it costs about
@@ -330,12 +330,6 @@ class Sender(threading.Thread):
         if due:
             self._d_since = 0
         return due
-
-    def _diag_cost(self, full: bool, took: float) -> None:
-        if full:
-            self._d_full = _ema(self._d_full, took)
-        else:
-            self._d_light = _ema(self._d_light, took)
 
     def _write_flight(self, step: int) -> str:
         """The flight recorder: schema, the last ``flight_steps`` steps and recent events, next to the
@@ -480,4 +474,5 @@ class Sender(threading.Thread):
 
 
 def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
+    """An exponential moving average step (the sender's and the watcher's cost pacing share it)."""
     return new if old is None else old + alpha * (new - old)

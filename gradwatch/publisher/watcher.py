@@ -31,7 +31,7 @@ from gradwatch import protocol, transport
 from gradwatch._warn import warn
 from gradwatch.publisher.probes import ActivationProbe, GradProbe, Parts, data_stats, hyper_of, module_tree, scalar_part
 from gradwatch.publisher.pause import PAUSE_ON_KINDS, PauseControl
-from gradwatch.publisher.sender import BATCH_BYTES, Sender, SenderConfig
+from gradwatch.publisher.sender import BATCH_BYTES, Sender, SenderConfig, _ema
 
 MAX_CONSECUTIVE_ERRORS = 10
 #: With detail_every=None, detail steps are spaced to cost about this share of training time...
@@ -311,7 +311,7 @@ class Watcher:
 
         cfg = self.cfg
         pc = PauseControl(rank=self._schema.rank, world=self._schema.world_size, max_pause=cfg.max_pause,
-                          pause_on=cfg.pause_on, run=self.run_id, namespace=lambda: {}, event=self._emit,
+                          pause_on=cfg.pause_on, run=self.run_id, event=self._emit,
                           log=_log_line, arm=self._arm_from_viewer)
         server = ControlServer(self._control_sock, protocol.Signer(key), pc.handle, busy=pc.busy)
         pc.server = server
@@ -372,11 +372,8 @@ class Watcher:
 
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if not self._explicit and self._live() and not self._in_pause:
-                loss = self._pending_loss
-                self._guarded(self._boundary, loss, None, None)
                 self._hook_boundary_done = True
-                if self._pausectl is not None:
-                    self._pause_point(loss, None, None)
+                self._mark(self._pending_loss, None, None)
             return original(optimizer, *args, **kwargs)
 
         scaler.step = step
@@ -389,6 +386,11 @@ class Watcher:
         if not self._live() or self._in_pause:
             return
         self._explicit = True
+        self._mark(loss, inputs, targets)
+
+    def _mark(self, loss: Any, inputs: Any, targets: Any) -> None:
+        """One step boundary, however it was reached (gw.step, the optimizer hook, scaler.step): the
+        statistics, then the safe point."""
         self._guarded(self._boundary, loss, inputs, targets)
         if self._pausectl is not None:
             self._pause_point(loss, inputs, targets)
@@ -566,10 +568,7 @@ class Watcher:
             return
         if self._in_pause:
             return
-        loss = self._pending_loss
-        self._guarded(self._boundary, loss, None, None)
-        if self._pausectl is not None:
-            self._pause_point(loss, None, None)
+        self._mark(self._pending_loss, None, None)
 
     def _boundary(self, loss: Any, inputs: Any, targets: Any) -> None:
         t0 = time.perf_counter()
@@ -820,10 +819,6 @@ def _stdin_is_terminal() -> bool:
         return sys.stdin is not None and sys.stdin.isatty()
     except Exception:  # noqa: BLE001
         return False
-
-
-def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
-    return new if old is None else old + alpha * (new - old)
 
 
 def _plain_scalars(user: dict[str, Any], parts: Parts) -> dict[str, Any]:

@@ -36,6 +36,13 @@ class PauseActions:
     _remote_pause_on: list[str] | None = None  # the trainer's pause_on, as it last told us
     _toggle_pending = False
 
+    def _may_command(self) -> bool:
+        """True if this viewer may command the trainer; else says why, once per key press."""
+        if self.read_only or not self._can_control():
+            self.notify("this viewer cannot command the trainer (read-only or control off)", timeout=4)
+            return False
+        return True
+
     def _can_control(self) -> bool:
         sc = self.state.schema
         return bool(sc is not None and sc.control and not self.read_only and self._control_info() is not None)
@@ -78,8 +85,7 @@ class PauseActions:
             self._open_console("pause")
 
     def action_debugger(self) -> None:
-        if self.read_only or not self._can_control():
-            self.notify("this viewer cannot command the trainer (read-only or control off)", timeout=4)
+        if not self._may_command():
             return
         if not self.state.paused:
             self.notify("the trainer is not paused; P pauses it", timeout=3)
@@ -136,20 +142,14 @@ class PauseActions:
 
     def action_arm_activations(self) -> None:
         """Record activation statistics for the next 10 steps: where a NaN first appears in forward."""
-        if self.read_only or not self._can_control():
-            self.notify("this viewer cannot command the trainer (read-only or control off)", timeout=4)
-            return
-        link = self._ensure_link()
+        link = self._ensure_link() if self._may_command() else None
         if link is not None:
             link.submit("arm", probe="activations", steps=10)
             self.notify("arming activation statistics for the next 10 steps", timeout=3)
 
     def action_toggle_pause_on(self) -> None:
         """Switch the trainer's auto-pause on non-finite loss/gradients (asks before switching it on)."""
-        if self.read_only or not self._can_control():
-            self.notify("this viewer cannot command the trainer (read-only or control off)", timeout=4)
-            return
-        link = self._ensure_link()
+        link = self._ensure_link() if self._may_command() else None
         if link is None:
             return
         if self._remote_pause_on is None:  # ask the trainer what it is set to, then toggle

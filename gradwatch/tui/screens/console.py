@@ -9,7 +9,6 @@ control characters other than newline and tab are replaced before display.
 
 from __future__ import annotations
 
-import re
 from typing import Callable
 
 from textual.app import ComposeResult
@@ -18,14 +17,15 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Log, Static
 
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")
+from gradwatch.text import clean_block
+
 
 HINT = ("Enter sends a line to pdb (p step, p loss, gw.top_layers(5), gw.nonfinite(), gw.skip_step())  ·  "
         "c + Enter continues  ·  Esc continues and closes  ·  Ctrl+X aborts the run")
 
 
 def safe_output(text: str) -> str:
-    return _UNSAFE.sub("\N{REPLACEMENT CHARACTER}", text.replace("\r\n", "\n"))
+    return clean_block(text)
 
 
 class DebugConsole(ModalScreen[None]):
