@@ -61,7 +61,8 @@ class Client:
         self.received = 0
         self.last_heartbeat: Heartbeat | None = None
         self._seen = protocol.Seen(_SEEN_MAX)
-        self._early: deque[Message] = deque(maxlen=4096)  # messages that arrived before the schema
+        self._early: deque[Message] = deque(maxlen=4096)  # messages that arrived before the schema+history
+        self._await_history = False
         self._ready: deque[Message] = deque()
 
     # ------------------------------------------------------------------ receiving
@@ -81,15 +82,24 @@ class Client:
                 return
             self.schema = msg
             self._ready.append(msg)
-            early, self._early = list(self._early), deque(maxlen=4096)
-            for m in early:
-                self._accept(m)
+            # the sender follows a schema with the history at once; live messages that slipped in
+            # before it (a slow joiner) wait for it, so that steps come out in order
+            self._await_history = True
             return
-        if self.schema is None:
+        if self.schema is None or (self._await_history and not isinstance(msg, (History, Heartbeat))):
             self._early.append(msg)
             return
+        if self._await_history:  # the history, or a heartbeat if the history frame was lost
+            self._await_history = False
+            early, self._early = list(self._early), deque(maxlen=4096)
+            items: list[Message] = [*early, *(msg.steps if isinstance(msg, History) else ()),
+                                    *(msg.events if isinstance(msg, History) else ())]
+            for m in sorted(items, key=lambda m: m.seq):
+                self._accept(m)
+            if isinstance(msg, History):
+                return
         if isinstance(msg, History):
-            items: list[Message] = sorted([*msg.steps, *msg.events], key=lambda m: m.seq)
+            items = sorted([*msg.steps, *msg.events], key=lambda m: m.seq)
             for m in items:
                 self._accept(m)
             return

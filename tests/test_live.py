@@ -139,3 +139,32 @@ def test_tcp_loopback_endpoint(runtime: Path) -> None:
         assert client.schema.run == run_id
         assert any(isinstance(m, Step) for m in client.records(timeout=2))
     proc.communicate(timeout=30)
+
+
+def test_a_slow_joiner_gets_steps_in_order(runtime: Path) -> None:
+    """Live steps that slip in between the schema and the history replay wait for the history, so a
+    late joiner yields 0, 1, 2... and not 5, 6, 7, 0, 1... (seen once in CI on the demo test)."""
+    from array import array
+
+    from gradwatch.client import Client
+    from gradwatch.protocol import History, ModuleInfo, ParamInfo, Schema, Step
+    from gradwatch.transport import RunInfo
+
+    info = RunInfo(run="r", name="n", host="h", pid=1, started=0.0, stream=f"ipc://{runtime}/none.s", key=b"k" * 32)
+    c = Client(info)
+    try:
+        sc = Schema(run="r", name="n", params=(ParamInfo("w", (1,), "float32", 1, 0),),
+                    modules=(ModuleInfo("", "M", -1),), seq=1)
+
+        def st(k: int) -> Step:
+            return Step(run="r", step=k, seq=10 + k, ts=0.0, loss=1.0, total=1.0, grad_norm=array("f", [1.0]),
+                        grad_max=None, nonfinite={})
+
+        c._accept(sc)
+        for k in (5, 6, 7):  # live, before the replay
+            c._accept(st(k))
+        c._accept(History(run="r", seq=2, ts=0.0, steps=tuple(st(k) for k in range(6))))
+        got = [m.step for m in c._ready if isinstance(m, Step)]
+        assert got == list(range(8))
+    finally:
+        c.close()
