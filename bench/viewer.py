@@ -384,7 +384,6 @@ def viewer_main(argv: list[str]) -> int:
 
     import asyncio
     import cProfile
-    import inspect
     import collections
     import io
     import pstats

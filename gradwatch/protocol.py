@@ -137,6 +137,9 @@ class Schema:
     every: int = 1
     control: bool = False
     diagnose: bool = False  # the trainer runs the diagnosis rules and publishes ``alert`` events
+    #: Published steps between detail steps (weight norms, update ratios), fixed at start-up: the same
+    #: run gives the same detail steps every time. 0: unknown (an older trainer).
+    detail_every: int = 0
     seq: int = 0
     ts: float = 0.0
 
@@ -153,6 +156,9 @@ class DataStats:
     max: float
     mean: float
     std: float
+    integer: bool = False  # an integer dtype (token ids, class indices): no range rules apply
+    #: max |x - x[0]| over the batch (0: every sample is the same); measured only on trouble steps
+    spread: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +203,9 @@ class Step:
     #: clipping the user did), measured on detail steps: with ``total`` it shows clipping at work.
     clip_total: float | None = None
     clip_step: int | None = None
+    #: Parameter index -> non-finite weight elements (-1: >= 1, not counted), when the weights were
+    #: checked at this step (detail and trouble steps; every step on CUDA); None: not checked.
+    weight_nonfinite: dict[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,7 +349,13 @@ def _pack(body: dict[str, Any]) -> bytes:
 
 
 def _stats_body(d: DataStats) -> dict[str, Any]:
-    return {"numel": d.numel, "nonfinite": d.nonfinite, "min": d.min, "max": d.max, "mean": d.mean, "std": d.std}
+    b: dict[str, Any] = {"numel": d.numel, "nonfinite": d.nonfinite, "min": d.min, "max": d.max, "mean": d.mean,
+                         "std": d.std}
+    if d.integer:
+        b["int"] = True
+    if d.spread is not None:
+        b["spread"] = d.spread
+    return b
 
 
 def step_body(s: Step) -> dict[str, Any]:
@@ -379,6 +394,8 @@ def step_body(s: Step) -> dict[str, Any]:
         b["missed"] = dict(s.missed)
     if s.clip_total is not None and s.clip_step is not None:
         b["clip"] = [s.clip_step, s.clip_total]
+    if s.weight_nonfinite is not None:
+        b["wnf"] = [[int(i), int(c)] for i, c in s.weight_nonfinite.items()]
     return b
 
 
@@ -400,7 +417,7 @@ def body_of(msg: Message) -> dict[str, Any]:
             "rank": msg.rank, "world": msg.world_size, "host": msg.host, "pid": msg.pid,
             "started": msg.started, "torch": msg.torch_version, "optimizer": msg.optimizer,
             "hyper": [dict(h) for h in msg.hyper], "every": msg.every, "control": msg.control,
-            "diagnose": msg.diagnose,
+            "diagnose": msg.diagnose, "detail": msg.detail_every,
         }
     if isinstance(msg, Heartbeat):
         return {"k": "hb", "run": msg.run, "seq": msg.seq, "ts": msg.ts, "step": msg.step,
@@ -552,7 +569,8 @@ def _scalars(v: Any, where: str, max_items: int = 256) -> dict[str, Any]:
 def _decode_stats(v: Any, where: str) -> DataStats:
     q = _V(v, where)
     return DataStats(numel=q.int("numel"), nonfinite=q.int("nonfinite"), min=q.num("min"), max=q.num("max"),
-                     mean=q.num("mean"), std=q.num("std"))
+                     mean=q.num("mean"), std=q.num("std"), integer=q.bool("int", default=False),
+                     spread=q.num("spread", default=None, optional=True))
 
 
 def _decode_step(b: dict[str, Any]) -> Step:
@@ -563,15 +581,8 @@ def _decode_step(b: dict[str, Any]) -> Step:
     if n > MAX_PARAMS:
         raise q.bad("gn", "too many parameters")
     gmax = q.f32("gmax", n, optional=True)
-    nf_raw = b.get("nf", [])
-    if not isinstance(nf_raw, list) or len(nf_raw) > n:
-        raise q.bad("nf", "not a list of [index, count]")
-    nonfinite: dict[int, int] = {}
-    for item in nf_raw:
-        if (not isinstance(item, list) or len(item) != 2 or type(item[0]) is not int or type(item[1]) is not int
-                or not 0 <= item[0] < n or item[1] < -1):
-            raise q.bad("nf", "not a list of [index, count]")
-        nonfinite[item[0]] = item[1]
+    nonfinite = _index_counts(q, b.get("nf", []), "nf", n)
+    wnf = _index_counts(q, b["wnf"], "wnf", n) if "wnf" in b else None
     ur = q.f32("ur", n, optional=True)
     data: dict[str, DataStats] = {}
     raw_data = b.get("data", {})
@@ -609,7 +620,21 @@ def _decode_step(b: dict[str, Any]) -> Step:
         data=data, act=act, first_nonfinite_module=fnm, user=q.scalars("user", default={}),
         missed=_missed(b.get("missed", {})),
         clip_total=float(clip[1]) if clip is not None else None, clip_step=clip[0] if clip is not None else None,
+        weight_nonfinite=wnf,
     )
+
+
+def _index_counts(q: _V, raw: Any, key: str, n: int) -> dict[int, int]:
+    """``[[index, count], ...]`` (count -1: at least one, not counted) as a dict, validated against ``n``."""
+    if not isinstance(raw, list) or len(raw) > n:
+        raise q.bad(key, "not a list of [index, count]")
+    out: dict[int, int] = {}
+    for item in raw:
+        if (not isinstance(item, list) or len(item) != 2 or type(item[0]) is not int or type(item[1]) is not int
+                or not 0 <= item[0] < n or item[1] < -1):
+            raise q.bad(key, "not a list of [index, count]")
+        out[item[0]] = item[1]
+    return out
 
 
 def _missed(v: Any) -> dict[str, int]:
@@ -687,7 +712,8 @@ def _decode_schema(b: dict[str, Any]) -> Schema:
         host=q.str("host", max_len=256), pid=q.int("pid"), started=q.num("started"),
         torch_version=q.str("torch", max_len=64), optimizer=q.str("optimizer", max_len=256),
         hyper=tuple(_scalars(h, "schema.hyper") for h in hyper), every=q.int("every", lo=1),
-        control=q.bool("control"), diagnose=q.bool("diagnose", default=False), seq=q.int("seq"), ts=q.num("ts"),
+        control=q.bool("control"), diagnose=q.bool("diagnose", default=False),
+        detail_every=q.int("detail", default=0, hi=1 << 30), seq=q.int("seq"), ts=q.num("ts"),
     )
 
 

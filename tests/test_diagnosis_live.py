@@ -10,6 +10,7 @@ import pytest
 
 import gradwatch
 from conftest import PY, ROOT, child_env
+from gradwatch.publisher.trouble import is_detail
 from gradwatch.protocol import Event, Schema, Step
 from gradwatch.record import read_recording
 
@@ -67,7 +68,9 @@ def test_gradwatch_tail_prints_the_alerts(runtime: Path) -> None:
     finally:
         p.kill()
     lines = [line for line in r.stdout.splitlines() if line.startswith("event alert")]
-    assert lines and "gradient norm jumped" in lines[0] and "at step 1 " in lines[0], r.stdout[-2000:]
+    # the explosion is called at step 0, from the gradient-to-weight ratio alone (no history needed)
+    assert lines and "alert at step 0 " in lines[0] and "gradients far larger than the weights" in lines[0], \
+        r.stdout[-2000:]
     assert any("loss is +Inf at step 3" in line for line in lines)
 
 
@@ -188,7 +191,7 @@ def test_clipping_is_measured_and_called_ineffective_under_adam(runtime: Path, o
         opt.zero_grad()
     gw.close()
     t.join(20)
-    assert len(clips) >= 30 and {s % 5 for s, _ in clips} == {0}  # every detail step
+    assert len(clips) >= 30 and all(is_detail(s, 5) for s, _ in clips)  # every detail step
     for s, post in clips:
         assert post == pytest.approx(min(0.1, totals[s]), rel=1e-3)  # exactly what clip_grad_norm_ left
     flagged = [a for a in alerts if a.data["kind"] == "clip_ineffective"]

@@ -9,7 +9,7 @@ from gradwatch._warn import warn
 
 
 def watch(model: Any, optimizer: Any = None, *, name: str | None = None, every: int = 1, scaler: Any = None,
-          control: bool = True, endpoint: str | None = None, detail_every: int | None = None, activations: int = 0,
+          control: bool = True, endpoint: str | None = None, detail_every: int | None = 10, activations: int = 0,
           update_ratio: bool | None = None, history: int = 2000, announce: bool = True,
           pause_on: tuple[str, ...] | str = (), max_pause: float | None = 1800.0, debug_in: str = "viewer",
           diagnose: Any = True) -> Any:

@@ -171,20 +171,28 @@ class ActivationProbe:
         return order, torch.stack(stats)
 
 
-def data_stats(t: Any, exact_on_host: bool) -> torch.Tensor | tuple[float, ...] | None:
-    """[numel, nonfinite, min, max, mean, std] of a batch, over its finite values.
+def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tensor | tuple[float, ...] | None:
+    """[numel, nonfinite, min, max, mean, std, integer, spread] of a batch, over its finite values.
 
-    On CPU the cheap pass (aminmax, std_mean) is checked on the host and the masked pass runs only if
+    ``integer``: 1.0 for an integer dtype (token ids, class indices), whose range says nothing about
+    normalisation. ``spread`` (only when asked: on trouble steps, CPU) is max |x - x[0]|, 0 when every
+    sample of the batch is the same; NaN when not measured.
+
+    On CPU the cheap pass (aminmax, sum, dot) is checked on the host and the masked pass runs only if
     something is non-finite; on CUDA the masked pass always runs so no value is read on the host.
     """
     if not isinstance(t, torch.Tensor) or t.numel() == 0:
         return None
     x = t.detach()
+    integer = 0.0 if (x.is_floating_point() or x.is_complex()) else 1.0
     if x.is_complex():
         x = x.abs()
     if x.dtype != torch.float32:
         x = x.float()
     numel = float(x.numel())
+    sp = math.nan
+    if spread and exact_on_host and x.dim() >= 1 and x.shape[0] > 1:
+        sp = float((x - x[:1]).abs().amax())  # CPU, trouble steps only
     if exact_on_host:
         lo, hi = torch.aminmax(x)
         lo_f, hi_f = lo.item(), hi.item()  # CPU: no device queue to stall
@@ -194,7 +202,9 @@ def data_stats(t: Any, exact_on_host: bool) -> torch.Tensor | tuple[float, ...] 
             flat = x.reshape(-1)
             mean = flat.sum().item() / numel
             var = max(torch.dot(flat, flat).item() / numel - mean * mean, 0.0)
-            return (numel, 0.0, lo_f, hi_f, mean, math.sqrt(var))
+            if lo_f == hi_f:
+                var = 0.0  # a constant batch: exactly, not the rounding residue of the formula above
+            return (numel, 0.0, lo_f, hi_f, mean, math.sqrt(var), integer, sp)
     fin = torch.isfinite(x)
     cnt = fin.sum()
     nonfinite = numel - cnt.float()
@@ -204,8 +214,11 @@ def data_stats(t: Any, exact_on_host: bool) -> torch.Tensor | tuple[float, ...] 
     var = (torch.where(fin, x - mean, 0.0) ** 2).sum() / safe_cnt
     lo = torch.where(fin, x, INF).amin()
     hi = torch.where(fin, x, -INF).amax()
+    if exact_on_host:  # CPU with non-finite values: read now, like the cheap pass
+        return (numel, float(nonfinite), float(lo), float(hi), float(mean), float(var.sqrt()), integer, sp)
     # torch.full, not torch.tensor: a pageable host->device copy would synchronise the stream
-    return torch.stack((torch.full((), numel, device=x.device), nonfinite, lo, hi, mean, var.sqrt()))
+    return torch.stack((torch.full((), numel, device=x.device), nonfinite, lo, hi, mean, var.sqrt(),
+                        torch.full((), integer, device=x.device), torch.full((), math.nan, device=x.device)))
 
 
 class _EventPool:
@@ -309,8 +322,11 @@ class GradProbe:
             self._pending_ur = (self._snap_step, ratio)
         self._snap_active = False
 
-    def collect(self, parts: Parts, meta: dict[str, Any], step: int, detail: bool) -> None:
-        """Add this step's gradient (and, on detail steps, weight) statistics to ``parts``."""
+    def grad_norms(self, parts: Parts, meta: dict[str, Any]) -> list[float] | None:
+        """Every published step: the per-parameter gradient L2 norms. On CUDA also the max-abs of every
+        gradient and every weight (fused: NaN iff a NaN, inf iff an inf), so non-finite values are exact
+        on every step without a host sync. On CPU the norms are read at once and returned (no device
+        queue to stall); a non-finite one is classified exactly (an overflow of finite values is not a NaN)."""
         grads: list[Any] = [p.grad for p in self.params]
         nograd = [i for i, g in enumerate(grads) if g is None]
         complete = not nograd
@@ -320,35 +336,61 @@ class GradProbe:
         gn = self._norm_vec(grads, 2.0, complete, self._out if host else None)
         parts.add("gn", gn)
         if not host:
-            parts.add("gmax", self._norm_vec(grads, INF, complete))  # fused on CUDA: cheap and exact
-        elif self.n:
-            # CPU: reading the norms costs nothing (no device queue). Classify exactly only if needed:
-            # a non-finite L2 means a NaN/Inf element *or* an overflow of finite values (FINDINGS 6).
-            norms = gn.tolist()
-            bad = [] if math.isfinite(sum(norms)) else [i for i, v in enumerate(norms) if not math.isfinite(v)]
-            meta["nonfinite"] = {}
-            if detail or bad:
-                zero = self._zero(self.device)
-                parts.add("gmax", torch.stack([self._maxabs(g) if g is not None else zero for g in grads]))
-                if bad:  # the exact count, only for the tensors whose L2 norm was not finite
-                    counts = torch.stack([(~torch.isfinite(grads[i])).sum() for i in bad]).tolist()
-                    meta["nonfinite"] = {i: int(c) for i, c in zip(bad, counts) if c > 0}
+            parts.add("gmax", self._norm_vec(grads, INF, complete))
+            with torch.no_grad():
+                parts.add("wmax", self._norm_vec([p.detach() for p in self.params], INF, True))
+            return None
+        if not self.n:
+            return []
+        norms = gn.tolist()
+        bad = [] if math.isfinite(sum(norms)) else [i for i, v in enumerate(norms) if not math.isfinite(v)]
+        meta["nonfinite"] = {}
+        if bad:  # the exact count, only for the tensors whose L2 norm was not finite
+            counts = torch.stack([(~torch.isfinite(grads[i])).sum() for i in bad]).tolist()
+            meta["nonfinite"] = {i: int(c) for i, c in zip(bad, counts) if c > 0}
+        return norms
+
+    def details(self, parts: Parts, meta: dict[str, Any], step: int) -> None:
+        """Detail and trouble steps: gradient max-abs (CPU), weight norms, an exact count of non-finite
+        weights (``wnf``) and the weight snapshot whose difference at the next boundary is the update."""
+        if not self.n:
+            return
+        if parts.host:
+            parts.add("gmax", self._maxabs_vec([p.grad for p in self.params]))
+        with torch.no_grad():
+            weights = [p.detach() for p in self.params]
+            wn = self._norm_vec(weights, 2.0, True)
+            parts.add("wn", wn)
+            if parts.host:
+                norms = wn.tolist()
+                bad = [] if math.isfinite(sum(norms)) else [i for i, v in enumerate(norms) if not math.isfinite(v)]
+                counts = torch.stack([(~torch.isfinite(weights[i])).sum() for i in bad]).tolist() if bad else []
+                meta["wnf"] = {i: int(c) for i, c in zip(bad, counts) if c > 0}
+            if self.update_ratio:
+                if self._snap is None:
+                    self._snap = [w.clone() for w in weights]
+                else:
+                    torch._foreach_copy_(self._snap, weights)
+                self._snap_wn, self._snap_step, self._snap_active = wn, step, True
+
+    def updates(self, parts: Parts, meta: dict[str, Any]) -> None:
+        """The update ratios measured by :meth:`settle` at this boundary, if any."""
         if self._pending_ur is not None:
             ur_step, ur = self._pending_ur
             parts.add("ur", ur)
             meta["ur_step"] = ur_step
             self._pending_ur = None
-        if detail and self.n:
-            with torch.no_grad():
-                weights = [p.detach() for p in self.params]
-                wn = self._norm_vec(weights, 2.0, True)
-                parts.add("wn", wn)
-                if self.update_ratio:
-                    if self._snap is None:
-                        self._snap = [w.clone() for w in weights]
-                    else:
-                        torch._foreach_copy_(self._snap, weights)
-                    self._snap_wn, self._snap_step, self._snap_active = wn, step, True
+
+    def _maxabs_vec(self, grads: list[Any]) -> torch.Tensor:
+        """Max-abs per tensor (0 where missing): one fused pass when the tensors are small (on CPU ~7x
+        cheaper than per-tensor calls), per-tensor ``aminmax`` when a copy of them would be large."""
+        present = [g for g in grads if g is not None]
+        if present and all(g.numel() for g in present) and sum(g.numel() for g in present) <= 1 << 22:
+            vals = iter(torch._foreach_max(torch._foreach_abs(present)))
+            zero = self._zero(self.device)
+            return torch.stack([next(vals).float() if g is not None else zero for g in grads])
+        zero = self._zero(self.device)
+        return torch.stack([self._maxabs(g) if g is not None and g.numel() else zero for g in grads])
 
     def finish(self, parts: Parts, step: int, ts: float, meta: dict[str, Any]) -> Work:
         """On CPU the values are already bytes. On CUDA: one buffer, one async copy to pinned memory

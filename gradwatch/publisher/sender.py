@@ -34,10 +34,6 @@ BATCH_BYTES = 512 * 1024
 DRAIN_S = 0.02
 #: After this many consecutive failures the sender stops trying (one warning); training goes on.
 MAX_CONSECUTIVE_ERRORS = 20
-#: The per-layer diagnosis is spaced to cost about this share of training time...
-DIAGNOSIS_BUDGET = 0.01
-#: ...but runs at least once per this many steps.
-DIAGNOSIS_MAX_GAP = 16
 #: At most one schema + history replay per this many seconds, however many viewers join.
 HISTORY_MIN_INTERVAL_S = 0.25
 
@@ -100,10 +96,6 @@ class Sender(threading.Thread):
         self.failed = False
         self._flight: str | None = None  # the flight-recorder file, once written ("" if it failed)
         self._flight_told = False
-        self._d_ts: float | None = None  # diagnosis pacing (see _layers_due)
-        self._d_interval: float | None = None
-        self._d_since = 0
-        self._d_full: float | None = None
         self._consecutive_errors = 0
         self.last_error: str | None = None
 
@@ -278,7 +270,7 @@ class Sender(threading.Thread):
         body = msgpack.packb(protocol.step_body(step), use_bin_type=True)
         self._remember(body)  # before the diagnosis: a flight record includes the step that raised it
         if self.cfg.diagnoser is not None:
-            events += self._diagnose(step, item.meta.get("backward_order"), events)
+            events += self._diagnose(step, item.meta.get("backward_order"), events, bool(item.meta.get("scan")))
         self._last_step = step.step
         self._batch.append(body)
         self._batch_bytes += len(body)
@@ -287,16 +279,16 @@ class Sender(threading.Thread):
         for ev in events:
             self._send(self._event_body(ev), zmq)
 
-    def _diagnose(self, step: Step, backward_order: Any, events: list[_EventItem]) -> list[_EventItem]:
-        """Run the diagnosis on one step (and its scaler events); returns the alert events to send."""
+    def _diagnose(self, step: Step, backward_order: Any, events: list[_EventItem], scan: bool) -> list[_EventItem]:
+        """Run the diagnosis on one step (and its scaler events); returns the alert events to send.
+
+        The per-layer rules run on the diagnoser's own step cadence and on every trouble step (``scan``):
+        which steps they see depends on the step count and the data, never on timing, so the same run
+        gives the same alerts."""
         diag = self.cfg.diagnoser
         if backward_order is not None:
             diag.set_backward_order(backward_order)
-        full = self._layers_due(step.ts)
-        t0 = time.perf_counter()
-        alerts = diag.observe(step, layers=full)
-        if full:
-            self._d_full = _ema(self._d_full, time.perf_counter() - t0)
+        alerts = diag.observe(step, layers=True if scan else None)
         for ev in events:
             alerts += diag.observe_event(Event(run=self.cfg.run, seq=0, ts=step.ts, event=ev.event, step=ev.step,
                                                message=ev.message, data=ev.data))
@@ -314,22 +306,6 @@ class Sender(threading.Thread):
             if self.cfg.on_alert is not None:
                 self.cfg.on_alert(a)
         return out
-
-    def _layers_due(self, ts: float) -> bool:
-        """Whether this step gets the per-layer diagnosis: spaced so that it costs about
-        DIAGNOSIS_BUDGET of training time (measured, like the detail steps), at least every
-        DIAGNOSIS_MAX_GAP steps. The per-step rules (non-finite, spikes, explosion...) always run."""
-        if self._d_ts is not None and ts > self._d_ts:
-            self._d_interval = _ema(self._d_interval, ts - self._d_ts)
-        self._d_ts = ts
-        self._d_since += 1
-        gap = 4
-        if self._d_full is not None and self._d_interval:
-            gap = math.ceil(self._d_full / (DIAGNOSIS_BUDGET * self._d_interval))
-        due = self._d_since >= max(1, min(DIAGNOSIS_MAX_GAP, gap))
-        if due:
-            self._d_since = 0
-        return due
 
     def _write_flight(self, step: int) -> str:
         """The flight recorder: schema, the last ``flight_steps`` steps and recent events, next to the
@@ -428,8 +404,17 @@ class Sender(threading.Thread):
         data: dict[str, DataStats] = {}
         for name in ("inputs", "targets"):
             v = sl(f"data:{name}")
-            if v is not None:
-                data[name] = DataStats(int(v[0]), int(v[1]), float(v[2]), float(v[3]), float(v[4]), float(v[5]))
+            if v is not None and len(v) >= 6:
+                spread = float(v[7]) if len(v) >= 8 and math.isfinite(float(v[7])) else None
+                data[name] = DataStats(int(v[0]), int(v[1]), float(v[2]), float(v[3]), float(v[4]), float(v[5]),
+                                       integer=len(v) >= 7 and bool(v[6]), spread=spread)
+        wnf: dict[int, int] | None = None
+        if "wnf" in meta:  # CPU: counted exactly at the boundary
+            wnf = dict(meta["wnf"])
+        else:
+            wmax = sl("wmax")  # CUDA: the max-abs of every weight, every step
+            if wmax is not None:
+                wnf = {int(i): -1 for i in np.flatnonzero(~np.isfinite(wmax))}
         act = None
         fnm = None
         av = sl("act")
@@ -469,10 +454,6 @@ class Sender(threading.Thread):
             update_step=meta.get("ur_step"), opt=tuple(opt), scale=scale, skipped=skipped, data=data, act=act,
             first_nonfinite_module=fnm, user=user, missed=missed,
             clip_total=clip, clip_step=meta.get("clip_step") if clip is not None else None,
+            weight_nonfinite=wnf,
         )
         return step, events
-
-
-def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
-    """An exponential moving average step (the sender's and the watcher's cost pacing share it)."""
-    return new if old is None else old + alpha * (new - old)

@@ -31,13 +31,10 @@ from gradwatch import protocol, transport
 from gradwatch._warn import warn
 from gradwatch.publisher.probes import ActivationProbe, GradProbe, Parts, data_stats, hyper_of, module_tree, scalar_part
 from gradwatch.publisher.pause import PAUSE_ON_KINDS, PauseControl
-from gradwatch.publisher.sender import BATCH_BYTES, Sender, SenderConfig, _ema
+from gradwatch.publisher.sender import BATCH_BYTES, Sender, SenderConfig
+from gradwatch.publisher.trouble import AUTO_ARM_STEPS, DETAIL_EVERY, TroubleCheck, is_detail
 
 MAX_CONSECUTIVE_ERRORS = 10
-#: With detail_every=None, detail steps are spaced to cost about this share of training time...
-DETAIL_BUDGET = 0.01
-#: ...but at least one detail step per this many published steps.
-MAX_DETAIL_GAP = 200
 STALLED_VIEWER_BUDGET = 32 * 1024 * 1024  # bytes a stalled viewer may cost us in zmq queues
 
 
@@ -47,7 +44,7 @@ class WatchConfig:
 
     name: str | None = None
     every: int = 1
-    detail_every: int | None = None
+    detail_every: int | None = 10  # None: the default (trouble.DETAIL_EVERY)
     activations: int = 0
     update_ratio: bool | None = None
     control: bool = True
@@ -166,11 +163,8 @@ class Watcher:
         self._act_armed = 0
         self._missed: dict[str, int] = {}
         self._missed_dev: dict[str, torch.Tensor] = {}
-        self._next_detail = 0
-        self._last_t0: float | None = None
-        self._interval: float | None = None
-        self._plain_cost: float | None = None
-        self._detail_cost: float | None = None
+        self._detail_every = cfg.detail_every if cfg.detail_every is not None else DETAIL_EVERY
+        self._trouble = TroubleCheck()
         self._act_every = cfg.activations
         self._handles: list[Any] = []
         self._scaler_step: Any = None
@@ -205,7 +199,7 @@ class Watcher:
             host=_socket.gethostname(), pid=self._pid, started=time.time(), torch_version=torch.__version__,
             optimizer=type(optimizer).__name__ if optimizer is not None else "", hyper=tuple(hyper),
             every=cfg.every, control=False,  # set once the control socket is bound
-            diagnose=cfg.diagnose is not False,
+            diagnose=cfg.diagnose is not False, detail_every=self._detail_every,
         )
         self._bw_order: list[int] = []
         self._bw_hooks: list[Any] = []
@@ -571,7 +565,6 @@ class Watcher:
         self._mark(self._pending_loss, None, None)
 
     def _boundary(self, loss: Any, inputs: Any, targets: Any) -> None:
-        t0 = time.perf_counter()
         step = self._step
         self._step += 1
         probe = self._probe
@@ -582,7 +575,7 @@ class Watcher:
                 self._act.reset()
             self._plan_activations(step + 1)
             return
-        detail = self._published >= self._next_detail
+        detail = is_detail(self._published, self._detail_every)
         self._published += 1
         host = not probe.branchless
         parts = Parts(host)
@@ -607,7 +600,19 @@ class Watcher:
                 meta["opt_tensors"] = [(gi, k) for gi, k, _ in tensors]
                 for gi, k, t in tensors:
                     parts.add(f"opt:{gi}:{k}", t)
-        probe.collect(parts, meta, step, detail)
+        probe.updates(parts, meta)
+        norms = probe.grad_norms(parts, meta)
+        batch = {name: data_stats(t, exact_on_host=host) for name, t in (("inputs", inputs), ("targets", targets))
+                 if t is not None}
+        self._scan(step, meta, norms, batch, detail, inputs, targets)
+        for name, st in batch.items():
+            if st is not None:
+                parts.add(f"data:{name}", st)
+        if detail or "scan" in meta:
+            probe.details(parts, meta, step)
+        if meta.get("scan") == "nonfinite" and not meta.get("wnf") and not self._act_every and not self._act_armed:
+            # a NaN from clean weights: if it comes back, trace it to the first module that makes it
+            self._act_armed = AUTO_ARM_STEPS + 1
         if self._clip is not None:
             parts.add("clip", self._clip[1])
             meta["clip_step"] = self._clip[0]
@@ -627,10 +632,6 @@ class Watcher:
             if stats is not None:
                 parts.add("act", stats)
                 meta["act_modules"] = order
-        for name, t in (("inputs", inputs), ("targets", targets)):
-            st = data_stats(t, exact_on_host=host) if t is not None else None
-            if st is not None:
-                parts.add(f"data:{name}", st)
         for name, t in self._missed_dev.items():
             parts.add(f"missed:{name}", t)
         self._missed_dev = {}
@@ -647,35 +648,22 @@ class Watcher:
         assert self.sender is not None
         self.sender.submit(probe.finish(parts, step, time.time(), meta))
         self._plan_activations(step + 1)
-        self._pace_detail(t0, detail)
 
-    def _pace_detail(self, t0: float, detail: bool) -> None:
-        """Choose when the next detail step comes.
-
-        With ``detail_every=None`` (the default) detail steps -- max-abs, weight norms, the weight
-        snapshot for update ratios -- are spaced so that their extra cost stays near
-        ``DETAIL_BUDGET`` of the training time: measured, not guessed, since it ranges from ~3 passes
-        over the weights on a CPU to almost nothing on a GPU.
-        """
-        now = time.perf_counter()
-        took = now - t0
-        if self._last_t0 is not None:
-            self._interval = _ema(self._interval, t0 - self._last_t0)
-        self._last_t0 = t0
-        if detail:
-            self._detail_cost = _ema(self._detail_cost, max(0.0, took - (self._plain_cost or 0.0)))
-        else:
-            self._plain_cost = _ema(self._plain_cost, took)
-        if not detail:
+    def _scan(self, step: int, meta: dict[str, Any], norms: list[float] | None, batch: dict[str, Any],
+              detail: bool, inputs: Any, targets: Any) -> None:
+        """Is this a trouble step (:mod:`~gradwatch.publisher.trouble`)? Then every gradient and weight is
+        checked exactly at this boundary (``meta["scan"]``), and on a non-finite step the batch is
+        checked for being degenerate (every sample the same)."""
+        loss = meta.get("loss")
+        data_bad = any(isinstance(st, tuple) and st[1] > 0 for st in batch.values())
+        why = self._trouble.check(loss if isinstance(loss, float) else None, norms, data_bad)
+        if why is None:
             return
-        fixed = self.cfg.detail_every
-        if fixed is not None:
-            self._next_detail = self._published - 1 + fixed
-            return
-        gap = 10
-        if self._interval and self._detail_cost is not None:
-            gap = math.ceil(self._detail_cost / (DETAIL_BUDGET * self._interval * self.cfg.every))
-        self._next_detail = self._published - 1 + max(1, min(MAX_DETAIL_GAP, gap))
+        meta["scan"] = why
+        if why == "nonfinite":
+            for name, t in (("inputs", inputs), ("targets", targets)):
+                if name in batch and batch[name] is not None:
+                    batch[name] = data_stats(t, exact_on_host=True, spread=True)
 
     def _nonfinite_trigger(self, meta: dict[str, Any], lp: torch.Tensor | None, parts: Parts) -> str | None:
         """pause_on=("nonfinite",): is this step's loss or any gradient NaN/Inf? On CPU the norms are
