@@ -33,6 +33,10 @@ class DyingRules:
         self._zero_run = np.zeros(facts.n, dtype=np.int64)
         self._layer_step: int | None = None
         self._by_module = facts.params_by_module()
+        self._module_ok = facts.module_of >= 0
+        self._mods = max(len(facts.modules), 1)
+        self._counts = np.bincount(facts.module_of[self._module_ok], minlength=self._mods)
+        self._open: set[int] = set()  # modules with an open dead_grad episode
 
     def observe(self, v: View, out: list[Alert]) -> None:
         if v.total is None:
@@ -94,6 +98,9 @@ class DyingRules:
         """Structural vanishing: the first layers get a vanishing share of the gradient (relative to their
         weights) compared with the layer that gets the most, and the loss does not improve."""
         t, f, m, step = self.t, self.f, self.m, v.step
+        if m.steps < t.vanish_steps or not m.stuck(t.vanish_steps, 0.9):
+            self._starved_run = 0  # learning (or too early to tell): nothing to explain
+            return
         gw = gradient_to_weight(v, f, m)
         gw[v.gn == 0] = np.nan  # exactly zero is a dead layer (dead_grad), not a vanishing one
         ok = np.flatnonzero(np.isfinite(gw))
@@ -103,9 +110,8 @@ class DyingRules:
         top = float(np.nanmax(gw))
         ratio = float(gw[first]) / top if top > 0 else 1.0
         start = m.start_loss()
-        stuck = m.stuck(t.vanish_steps, 0.9)
         self._starved_run = self._starved_run + 1 if ratio <= t.vanish_factor else 0
-        cond = self._starved_run >= 3 and m.steps >= t.vanish_steps and stuck
+        cond = self._starved_run >= 3
         if self.ep(("vanishing_grad",), cond, step) and cond:
             best = f.names[int(np.nanargmax(gw))]
             out.append(self.alert(
@@ -122,24 +128,33 @@ class DyingRules:
         gap = step - self._layer_step if self._layer_step is not None else 1
         self._layer_step = step
         self._zero_run = np.where(~v.nograd & (v.gn == 0), self._zero_run + max(1, gap), 0)
-        if not v.total:
-            return
         dead = self._zero_run >= t.dead_steps
-        modules = [mod for mod, idx in self._by_module.items() if idx and all(dead[i] or v.nograd[i] for i in idx)
-                   and any(dead[i] for i in idx)]
-        for mod, idx in self._by_module.items():
+        if not v.total or not dead.any():
+            for mod in list(self._open):  # revived layers: their episodes end once seen alive long enough
+                self.ep(("dead_grad", mod), False, step)
+                if not self.ep.is_open(("dead_grad", mod)):
+                    self._open.discard(mod)
+            return
+        # modules whose every parameter (with a gradient) is dead: counted per module in one pass
+        valid = self._module_ok
+        per = np.bincount(f.module_of[valid], weights=(dead | v.nograd)[valid], minlength=self._mods)
+        some = np.bincount(f.module_of[valid], weights=dead[valid], minlength=self._mods)
+        modules = [int(m) for m in np.flatnonzero((per >= self._counts) & (some > 0))]
+        for mod in list(self._open):
             if mod not in modules:
                 self.ep(("dead_grad", mod), False, step)
+                if not self.ep.is_open(("dead_grad", mod)):
+                    self._open.discard(mod)
         if not modules:
             return
         # the dead layer: the last fully dead module in forward order (the smallest backward position)
         causal = min(modules, key=lambda mod: min(f.bw_pos[i] for i in self._by_module[mod]))
-        if not self.ep(("dead_grad", causal), True, step):
-            for mod in modules:
-                self.ep(("dead_grad", mod), True, step)
-            return
+        fresh = self.ep(("dead_grad", causal), True, step)
         for mod in modules:
             self.ep(("dead_grad", mod), True, step)
+            self._open.add(mod)
+        if not fresh:
+            return
         idx = self._by_module[causal]
         main = next((i for i in idx if f.names[i].endswith("weight")), idx[0])
         others = [f.names[i] for i in np.flatnonzero(dead) if i not in idx]

@@ -76,17 +76,20 @@ class Diagnoser:
         """All alerts this step raises (after hysteresis and silencing), most severe first, cause first.
 
         ``layers``: run the per-layer rules (O(n) numpy) on this step; None: every
-        ``Thresholds.layer_every`` steps and on detail steps. Everything else runs on every step."""
+        ``Thresholds.layer_every`` steps (the trainer also asks for them on trouble steps). Everything else
+        runs on every step."""
         out: list[Alert] = []
         try:
-            full = (self.steps % self.t.layer_every == 0 or s.weight_norm is not None) if layers is None else layers
+            full = self.steps % self.t.layer_every == 0 if layers is None else layers
             view = decode(s, self.facts, full)
             if view is not None:
-                self._before(view)
-                self.rates.measure(view)
-                for family in self._families:
-                    family.observe(view, out)  # type: ignore[attr-defined]
-                self._after(view)
+                # one errstate for the whole step (~4 us each): NaN/Inf are data here, not errors
+                with np.errstate(all="ignore"):
+                    self._before(view)
+                    self.rates.measure(view)
+                    for family in self._families:
+                        family.observe(view, out)  # type: ignore[attr-defined]
+                    self._after(view)
         except Exception as exc:  # noqa: BLE001 - a rule bug must not take telemetry down; say so once
             out.append(Alert("diagnosis_error", "info", s.step, f"diagnosis rule failed: {type(exc).__name__}: {exc}"[:300]))
         self.memory.steps += 1

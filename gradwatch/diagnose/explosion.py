@@ -69,10 +69,10 @@ class ExplosionRules:
             steps = [b / a if a > 0 else 0.0 for a, b in zip(seq[:-1], seq[1:])]
             sustained = all(g >= t.explode_growth for g in steps[-t.explode_steps:]) and \
                 seq[-1] / max(seq[-1 - t.explode_steps], 1e-30) >= t.explode_total
-        gw = gradient_to_weight(v, self.f, m)
-        top = float(np.nanmax(gw)) if np.isfinite(gw).any() else 0.0
         # without history the ratio itself is the evidence; once the layers have baselines, growth against
         # them is (a mean head's gradient legitimately grows as a predicted variance shrinks)
+        gw = gradient_to_weight(v, self.f, m) if early or jump or early_jump or sustained else None
+        top = float(np.nanmax(gw)) if gw is not None and np.isfinite(gw).any() else 0.0
         absolute = early and top >= t.explode_gw
         cond = bool(absolute or jump or early_jump or sustained)
         if cond and m.last_ratio is not None and m.last_ratio[1] >= 1.0 and step - m.last_ratio[0] <= 3:
@@ -82,6 +82,7 @@ class ExplosionRules:
             return
         if not self.ep(("grad_explosion",), cond, step):
             return
+        assert gw is not None
         idx, why, ev = self.attribute(v, gw)
         ev.update({"total": total, "previous": prev if prev is not None else math.nan, "growth": growth,
                    "max_grad_to_weight": top})
@@ -130,8 +131,7 @@ class ExplosionRules:
                     {"recurrent_gain": float(gain[i]), "chosen_by": 2.0}
         ok = np.isfinite(v.gn) & ~v.nograd & f.judged
         if ok.sum() >= 2 and (self._layers.count[ok] >= t.warmup).all():
-            with np.errstate(all="ignore"):
-                jump = np.where(ok, v.gn / np.maximum(np.power(10.0, self._layers.mean), 1e-30), -np.inf)
+            jump = np.where(ok, v.gn / np.maximum(np.power(10.0, self._layers.mean), 1e-30), -np.inf)
             first, second = np.argsort(-jump)[:2]
             if jump[first] >= 10.0 and jump[first] >= 2.0 * jump[second]:  # one layer stands out
                 i = int(first)
@@ -195,11 +195,10 @@ class ExplosionRules:
                                   layer=top[0][0] if top else None, evidence=ev))
         if spike:
             m.last_grad_spike = step
-        if warm and not spike and self.f.n:
+        if warm and not spike and self.f.n and float(np.max(np.where(ok, lzs, 0.0))) >= t.layer_spike_z:
             # one layer that jumps alone (the total may hide it); it must matter: >= 1% of the total
             level_l = np.power(10.0, self._layers.mean)
-            with np.errstate(all="ignore"):
-                ratio = np.where(level_l > 0, v.gn / level_l, 0.0)
+            ratio = np.where(level_l > 0, v.gn / level_l, 0.0)
             cand = ok & (self._layers.count >= t.warmup) & (lzs >= t.layer_spike_z) & (ratio >= t.grad_spike_ratio)
             cand &= v.gn >= 0.01 * total
             if cand.any():

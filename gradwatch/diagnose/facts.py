@@ -11,8 +11,8 @@ trainer records on the first step).
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -55,6 +55,9 @@ class RunFacts:
         self.optimizer = schema.optimizer or "the optimizer"
         #: Weight matrices whose gradient-to-weight ratio means something: not embeddings (sparse rows).
         self.judged = self.is_matrix & ~self.embedding & (self.numel >= 16)
+        self.none = np.zeros(self.n, dtype=bool)  # shared read-only "no parameter" mask and index list
+        self.none.flags.writeable = False
+        self.empty = np.zeros(0, dtype=np.int64)
         self.set_backward_order(backward_order)
 
     def set_backward_order(self, order: Iterable[int] | None) -> None:
@@ -129,7 +132,8 @@ class Memory:
     init_scale: np.ndarray | None = None  # rms(w) * sqrt(fan_in) at the first measurement (1/sqrt(3) is default init)
     first_losses: list[float] = field(default_factory=list)
     smooth_loss: float | None = None
-    smooth_hist: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=256))
+    hist_steps: list[int] = field(default_factory=list)  # steps and smoothed losses, for "not improving"
+    hist_smooth: list[float] = field(default_factory=list)
     min_smooth: float | None = None
     prev_loss: float | None = None
     prev_total: float | None = None
@@ -146,7 +150,11 @@ class Memory:
     last_loss_spike: int | None = None
 
     def start_loss(self) -> float | None:
-        return float(np.median(self.first_losses)) if self.first_losses else None
+        """The median of the first three finite losses: where training started."""
+        f = self.first_losses
+        if not f:
+            return None
+        return f[0] if len(f) == 1 else (0.5 * (f[0] + f[1]) if len(f) == 2 else sorted(f)[1])
 
     def note_loss(self, step: int, loss: float | None) -> None:
         if loss is None:
@@ -156,18 +164,21 @@ class Memory:
         self.smooth_loss = loss if self.smooth_loss is None else self.smooth_loss + 0.1 * (loss - self.smooth_loss)
         if self.steps >= 10:
             self.min_smooth = self.smooth_loss if self.min_smooth is None else min(self.min_smooth, self.smooth_loss)
-        self.smooth_hist.append((step, self.smooth_loss))
+        self.hist_steps.append(step)
+        self.hist_smooth.append(self.smooth_loss)
+        if len(self.hist_steps) > 256:  # keep the last ~128 steps of history (the windows are <= 100)
+            del self.hist_steps[:128], self.hist_smooth[:128]
 
     def stuck(self, window: int, fraction: float) -> bool:
         """The smoothed loss has not improved over the last ``window`` steps and is still above ``fraction``
         of where it started: not learning (a plateau after real progress is not stuck)."""
         start = self.start_loss()
-        if start is None or self.smooth_loss is None or not self.smooth_hist:
+        if start is None or self.smooth_loss is None or not self.hist_steps:
             return False
-        now_step = self.smooth_hist[-1][0]
-        old = next((v for st, v in self.smooth_hist if st >= now_step - window), None)
-        if old is None or now_step - self.smooth_hist[0][0] < window:
+        now = self.hist_steps[-1]
+        if now - self.hist_steps[0] < window:
             return False
+        old = self.hist_smooth[bisect.bisect_left(self.hist_steps, now - window)]
         return self.smooth_loss >= 0.95 * old and self.smooth_loss >= fraction * start
 
 
@@ -177,11 +188,14 @@ def decode(s: Step, facts: RunFacts, full: bool) -> View | None:
     gn = np.frombuffer(s.grad_norm, dtype=np.float32).astype(np.float64) if n else np.zeros(0)
     if len(gn) != n:
         return None
-    nograd = np.zeros(n, dtype=bool)
-    for i in s.nograd:
-        if 0 <= i < n:
-            nograd[i] = True
-    bad = np.array(sorted(i for i in s.nonfinite if 0 <= i < n), dtype=np.int64)
+    if s.nograd:
+        nograd = np.zeros(n, dtype=bool)
+        for i in s.nograd:
+            if 0 <= i < n:
+                nograd[i] = True
+    else:
+        nograd = facts.none
+    bad = np.array(sorted(i for i in s.nonfinite if 0 <= i < n), dtype=np.int64) if s.nonfinite else facts.empty
     wn = None
     if s.weight_norm is not None:
         w = np.frombuffer(s.weight_norm, dtype=np.float32).astype(np.float64)

@@ -34,6 +34,7 @@ class RateRules:
         self._last_ur_step: int | None = None
         self._new: tuple[int, float, int] | None = None  # (update step, ratio, fastest matrix) measured now
         self._pending = False
+        self._med = 0.0
         self._lr_hist: deque[tuple[int, float]] = deque(maxlen=t.warmup_window + 1)  # type: ignore[attr-defined]
         self._smooth: float | None = None
         self._min_smooth: float | None = None
@@ -60,9 +61,8 @@ class RateRules:
         if len(ur) != self.f.n or wn is None:
             return
         ok = np.isfinite(ur) & np.isfinite(wn)
-        with np.errstate(all="ignore"):
-            den = float(np.sum(wn[ok] ** 2))
-            ratio = math.sqrt(float(np.sum((ur[ok] * wn[ok]) ** 2)) / den) if den > 0 else math.nan
+        den = float(np.sum(wn[ok] ** 2))
+        ratio = math.sqrt(float(np.sum((ur[ok] * wn[ok]) ** 2)) / den) if den > 0 else math.nan
         if not math.isfinite(ratio):
             return
         sel = np.where(self.f.is_matrix & np.isfinite(ur), ur, -1.0) if self.f.is_matrix.any() else np.where(ok, ur, -1.0)
@@ -88,8 +88,10 @@ class RateRules:
         stuck = m.stuck(t.update_ratio_steps, t.stuck_fraction)
         rising = m.min_smooth is not None and m.smooth_loss is not None and m.min_smooth > 0 and \
             m.smooth_loss >= t.warmup_loss_rise * m.min_smooth
-        readings = [r for _, r in m.ratios]
-        med = float(np.median(readings)) if len(readings) >= t.update_ratio_window else 0.0
+        if self._new is not None:  # the median moves only when a measurement arrives
+            readings = [r for _, r in m.ratios]
+            self._med = float(np.median(readings)) if len(readings) >= t.update_ratio_window else 0.0
+        med = self._med
         sustained = med > t.update_ratio and (stuck or rising)
         if sustained and len(self._lr_hist) > 1 and self._lr_hist[-1][1] >= t.warmup_lr_growth * self._lr_hist[0][1]:
             sustained = False  # the LR is still climbing: that is lr_warmup's call

@@ -26,9 +26,9 @@ class Ema:
         self.alpha = alpha
 
     def z(self, x: np.ndarray) -> np.ndarray:
-        """Robust z-score of ``x`` against the running level (0 where no statistics yet)."""
-        with np.errstate(all="ignore"):
-            z = (np.asarray(x, dtype=np.float64) - self.mean) / np.maximum(self.dev * 1.4826, 0.05)
+        """Robust z-score of ``x`` against the running level (0 where no statistics yet). Call under
+        ``np.errstate(all="ignore")`` (the engine holds one for the whole step: each costs ~4 us)."""
+        z = (np.asarray(x, dtype=np.float64) - self.mean) / np.maximum(self.dev * 1.4826, 0.05)
         z[~np.isfinite(z) | (self.count == 0)] = 0.0  # 0.05 decades: a floor for very steady series
         return z
 
@@ -38,9 +38,8 @@ class Ema:
         ok = np.asarray(ok) & np.isfinite(x)
         first = ok & (self.count == 0)
         a = np.where(slow, self.alpha / 10, self.alpha) if np.any(slow) else self.alpha
-        with np.errstate(all="ignore"):
-            self.mean = self.mean + a * np.where(ok, x - self.mean, 0.0)
-            self.dev = self.dev + a * np.where(ok, np.abs(x - self.mean) - self.dev, 0.0)
+        self.mean = self.mean + a * np.where(ok, x - self.mean, 0.0)
+        self.dev = self.dev + a * np.where(ok, np.abs(x - self.mean) - self.dev, 0.0)
         if first.any():
             self.mean[first] = x[first]
             self.dev[first] = 0.0
@@ -113,8 +112,8 @@ class Episodes:
 
 
 def log10(x: Any) -> np.ndarray:
-    with np.errstate(all="ignore"):
-        return np.log10(np.asarray(x, dtype=np.float64))
+    """log10 (NaN/-inf where x <= 0); call under the engine's ``np.errstate``."""
+    return np.log10(np.asarray(x, dtype=np.float64))
 
 
 def exp10(x: float) -> float:

@@ -78,7 +78,8 @@ KINDS: dict[str, Kind] = {
         "Watch the named layers; lower the learning rate, add warm-up or clip.",
         ("learning_rate", "bad_input", "initialisation")),
     "grad_explosion": Kind(
-        "warning", "a layer's gradient is far larger than its weights (needs no history: fires at step 0), or the "
+        "warning", "a layer's gradient is far larger than its weights in the first steps (||g||/||w|| > 40: needs "
+        "no history, fires at step 0), or the "
         "total gradient norm grows exponentially (x2 per step for several steps, x10 in one early step while the "
         "loss rises, or x1000 at once)",
         "exploding gradients; the layer named is chosen by evidence: a weight initialised far too large, an "
