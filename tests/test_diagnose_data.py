@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from _diag import INF, NAN, T, feed, healthy, kinds, of, schema, stats, step, warm
+from _diag import INF, NAN, T, feed, healthy, kinds, mlp_schema, of, schema, stats, step, warm
 from gradwatch.diagnose import Diagnoser
 from gradwatch.protocol import DataStats, Event
 
@@ -228,3 +228,30 @@ def test_no_clip_ineffective(rng: np.random.Generator, optimizer: str, post: flo
     assert feed(d, (healthy(k, rng, clip_total=0.1, clip_step=k + 1000) for k in range(50))) == []
     assert of(feed(d, (healthy(k, rng, total=NAN, clip_total=0.1, clip_step=k - 1) for k in range(50, 100))),
               "clip_ineffective") == []
+
+
+def test_inputs_a_first_normalisation_layer_takes_care_of_are_only_info(rng: np.random.Generator) -> None:
+    """Raw tabular features into a BatchNorm1d first layer: it normalises them -- said, as info."""
+    sc = mlp_schema(("head",), extra=(("bn", "BatchNorm1d", (16,)),))
+    d = Diagnoser(sc, backward_order=[0, 1, 2])  # bn's weight gets its gradient last: it runs first
+    (a,) = d.observe(healthy(0, rng, 3, data={"inputs": stats(0.0, 2.8e5, mean=3e4, std=5e4)}))
+    assert (a.kind, a.severity) == ("input_range", "info") and "bn (BatchNorm1d), normalises them" in a.message
+
+
+def test_counts_with_a_negative_poisson_loss_are_not_a_misfit(rng: np.random.Generator) -> None:
+    """PoissonNLLLoss on integer counts (0..20) goes negative while learning: non-negative count targets are
+    not a BCE misfed with {-1, 1} labels."""
+    d = Diagnoser(schema())
+    counts = {"targets": stats(0.0, 20.0, mean=4.0, std=3.5)}
+    assert feed(d, (healthy(k, rng, loss=1.2 - k / 40, noise=0.0, data=counts) for k in range(200))) == []
+
+
+def test_an_explosion_from_unnormalised_targets_says_so(rng: np.random.Generator) -> None:
+    """Regression targets in cents (x1e4): huge gradients at step 0 -- the targets are named as the cause."""
+    d = Diagnoser(mlp_schema())
+    g = [0.5, 0.1] * 4
+    g[6] = 2.3 * 2e4
+    alerts = d.observe(step(0, g, loss=5e8, weight_norm=[2.3, 0.5] * 4,
+                            data={"targets": stats(1e3, 9e4, mean=4e4, std=2e4)}))
+    assert [a.kind for a in alerts] == ["target_range", "grad_explosion"]
+    assert "targets that are not normalised" in alerts[1].message and alerts[1].causes[0] == "bad_targets"

@@ -142,3 +142,14 @@ def test_no_dead_grad_when_everything_is_zero() -> None:
     """All zero is saturation, not a dead layer."""
     d = Diagnoser(schema())
     assert kinds(feed(d, (step(j, [0.0] * 4, loss=2.0) for j in range(100)))) == {"saturation"}
+
+
+def test_vanishing_through_a_tiny_init(rng: np.random.Generator) -> None:
+    """A deep tanh stack initialised with std 0.01: weights nearly zero (no gradient-to-weight ratio means
+    anything there), and fc0 gets 1e-8 of the head's gradient per element: vanishing all the same."""
+    d = Diagnoser(mlp_schema())
+    def s(k: int) -> Step:
+        g = [0.3 * 1e-3 ** (3 - i) for i in range(4) for _ in (0, 1)]
+        return step(k, g, loss=2.30 * np.exp(rng.normal(0, 0.005)), weight_norm=[0.16, 0.01] * 4)
+    (a,) = feed(d, (s(k) for k in range(200)))
+    assert (a.kind, a.layer) == ("vanishing_grad", "fc0.weight") and a.evidence["ratio"] < 1e-6

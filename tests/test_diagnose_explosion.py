@@ -366,3 +366,26 @@ def test_recurrent_matrices_are_named_as_such() -> None:
     (a,) = d.observe(step(0, [1.0, 0.1, 1e5, 3e4], loss=2.0, weight_norm=wn))
     assert a.layer == "rnn.weight_hh_l0" and a.evidence["recurrent_gain"] == pytest.approx(gain, rel=1e-3)
     assert "recurrent matrix with gain" in a.message and "orthogonal" in a.advice
+
+
+def test_after_the_warmup_a_large_ratio_alone_is_not_an_explosion(rng: np.random.Generator) -> None:
+    """A Gaussian-NLL regressor's mean head: its gradient grows as the predicted variance shrinks, to a
+    ratio of 30-60, while the loss improves. Without history the ratio is the evidence; with history, it
+    is growth against the layer's own level -- and this growth is slow."""
+    d = Diagnoser(mlp_schema())
+    g = [0.5, 0.1] * 4
+    for k in range(400):
+        g[6] = 2.3 * (1.0 + 60.0 * k / 400)  # head.weight: ||g||/||w|| 1 -> 61, slowly
+        assert d.observe(step(k, g, loss=-1.7 - k / 400, weight_norm=WN if k % 10 == 0 else None)) == [], k
+
+
+def test_an_update_of_more_than_the_weights_is_the_learning_rate_not_an_explosion() -> None:
+    """Adamax at lr 1: the update of step 0 moved the weights 6.7x their norm, then the gradient jumps: one
+    alert, lr_too_high, naming the update (the jump is its consequence)."""
+    d = Diagnoser(mlp_schema(optimizer="Adamax"))
+    g0 = [1.0, 0.2] * 4
+    d.observe(step(0, g0, loss=1.0, weight_norm=WN))
+    alerts = d.observe(step(1, [2000 * x for x in g0], loss=40.0, weight_norm=WN, update_ratio=[6.7] * 8,
+                            update_step=0))
+    assert [a.kind for a in alerts] == ["lr_too_high"] and alerts[0].evidence["update_ratio"] == pytest.approx(6.7)
+    assert feed(d, (step(j, [3000 * x for x in g0], loss=60.0) for j in range(2, 10))) == []

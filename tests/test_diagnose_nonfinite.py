@@ -98,11 +98,14 @@ def test_nonfinite_grad_uses_the_backward_order(order: list[int], first: str, li
         assert a.evidence["first_index"] == float(first[1:])
 
 
-def test_nonfinite_grad_lists_all_and_bounds_the_message() -> None:
+def test_every_gradient_nan_without_evidence_names_no_layer() -> None:
+    """All gradients NaN, weights and data clean, no activation statistics: nothing says where the forward
+    pass made it, and the first parameter in backward order (the output layer) would be a guess."""
     d = Diagnoser(schema(8))
-    (a,) = d.observe(step(0, [NAN] * 8, total=NAN, nonfinite={i: -1 for i in range(8)}))
-    assert a.layer == "p7" and "elements" not in a.evidence  # -1: not counted
+    (a,) = d.observe(step(0, [NAN] * 8, total=NAN, nonfinite={i: -1 for i in range(8)}, weight_nonfinite={}))
+    assert a.layer is None and "elements" not in a.evidence  # -1: not counted
     assert "8 of 8 parameter(s)" in a.message and "(all: p7, p6, p5, p4, p3 (+3 more))" in a.message
+    assert "forward pass or the loss made it" in a.message and "clean weights" in a.message
 
 
 def test_nonfinite_grad_ignores_out_of_range_indices() -> None:

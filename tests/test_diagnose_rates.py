@@ -180,3 +180,16 @@ def test_lr_warmup_ignores_nonfinite_and_missing_lr_and_loss(rng: np.random.Gene
               for k in range(200)]
     assert kinds(feed(d, series)) == {"nonfinite_loss"}
     assert d.rates._smooth is not None and math.isfinite(d.rates._smooth)  # noqa: SLF001
+
+
+def test_a_noisy_tiny_loss_that_bounces_is_not_a_rise(rng: np.random.Generator) -> None:
+    """A triplet loss near 0 (exactly 0 on most batches) under Adagrad's large early steps: its smoothed
+    value doubles from 0.005 to 0.013 -- still a fifth of where it started (0.07): noise, not the LR
+    undoing training. The same rise back near the start is called."""
+    def run(level: float) -> list:
+        d = Diagnoser(schema(optimizer="Adagrad"))
+        series = [detail(k, rng, FAST, loss=0.07 if k < 3 else (0.005 if k < 100 else level) * (k % 3 == 0) * 3)
+                  for k in range(300)]
+        return of(feed(d, series), "lr_too_high")
+    assert run(0.013) == []
+    assert [a.kind for a in run(0.06)] == ["lr_too_high"]

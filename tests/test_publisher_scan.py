@@ -138,12 +138,11 @@ def test_cuda_path_checks_every_weight_on_every_step(runtime: Path) -> None:
 
 def test_trouble_check_verdicts() -> None:
     t = TroubleCheck()
-    assert [t.check(1.0, [1.0, 1.0], False) for _ in range(5)] == [None] * 5
-    assert t.check(math.nan, [1.0, 1.0], False) == "nonfinite"
-    assert t.check(1.0, [math.inf, 1.0], False) == "nonfinite"
-    assert t.check(1.0, [1.0, 1.0], True) == "nonfinite"
-    assert t.check(1.0, [30.0, 1.0], False) == "jump"  # >= 10x the running level
-    assert t.check(1.0, [1.0, 1.0], False) is None  # a jump did not move the level
-    assert t.check(1.0, [3e38, 3e38], False) == "jump"  # no overflow in the check itself
+    assert [t.check(1.0, 1.4, False) for _ in range(5)] == [None] * 5
+    assert t.check(math.nan, 1.4, False) == "nonfinite"
+    assert t.check(1.0, math.inf, False) == "nonfinite"
+    assert t.check(1.0, 1.4, True) == "nonfinite"
+    assert t.check(1.0, 30.0, False) == "jump"  # >= 10x the running level
+    assert t.check(1.0, 1.4, False) is None  # a jump did not move the level
     assert t.check(1.0, None, False) is None  # CUDA: no verdict on the training thread
-    assert t.check(1.0, [0.0, 0.0], False) is None
+    assert t.check(1.0, 0.0, False) is None

@@ -36,11 +36,16 @@ class DataRules:
         if d is not None and not d.nonfinite and finite(d.min) and finite(d.max):
             wild = not d.integer and _far(d, t)
             if self.ep(("input_range",), wild, step):
+                first = self.f.first_module()
+                normed = first is not None and "norm" in self.f.modules[first].type.lower()
                 out.append(self.alert(
                     "input_range", step, f"float inputs range over [{fmt(d.min)}, {fmt(d.max)}] (mean {fmt(d.mean)}, "
                     f"std {fmt(d.std)}) at step {step}: not normalised" + (
-                        " (0-255: raw pixel values?)" if d.min >= 0 and 200 <= d.max <= 255 else ""),
-                    evidence={"min": d.min, "max": d.max, "mean": d.mean, "std": d.std}))
+                        " (0-255: raw pixel values?)" if d.min >= 0 and 200 <= d.max <= 255 else "") + (
+                        f"; the first layer, {self.f.module_name(first)} ({self.f.modules[first].type}), normalises "
+                        "them" if normed else ""),
+                    evidence={"min": d.min, "max": d.max, "mean": d.mean, "std": d.std},
+                    severity="info" if normed else None))
             deg = degenerate(s)
             loss_bad = s.loss is not None and not finite(s.loss)
             # a degenerate batch that made the loss NaN is told by nonfinite_loss, which names the divider
@@ -78,10 +83,11 @@ class DataRules:
         targets in range) while label-like targets lie outside [0, 1]; or float targets far from normalised on
         the first batch or three batches in a row (one batch with an outlier later on is target_outlier's)."""
         t, step = self.t, v.step
-        # label-like targets (float, integer-valued extremes: {-1, 1}, {0, 255}) outside [0, 1] with a loss below 0:
-        # continuous targets with a negative loss are a likelihood doing its job (a Gaussian NLL)
+        # negative label-like targets (float, integer-valued extremes: {-1, 1}) with a loss below 0: BCE misfed.
+        # Continuous targets with a negative loss are a likelihood doing its job (a Gaussian NLL), and
+        # non-negative counts are a Poisson NLL's (unnormalised scales are the rule below)
         labels = not tg.integer and float(tg.min).is_integer() and float(tg.max).is_integer()  # type: ignore[attr-defined]
-        outside = labels and (tg.min < 0 or tg.max > 1)  # type: ignore[attr-defined]
+        outside = labels and tg.min < 0  # type: ignore[attr-defined]
         start = self.m.start_loss()
         # the loss *went* negative: one that starts below 0 is negative by design (a sign-agreement objective)
         negative = v.loss is not None and v.loss < 0 and outside and start is not None and start > 0

@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from gradwatch.diagnose.facts import Memory, RunFacts, View, gradient_to_weight
+from gradwatch.diagnose.facts import Memory, RunFacts, View
 from gradwatch.diagnose.stats import Episodes, fmt
 from gradwatch.diagnose.vocabulary import Alert
 
@@ -95,31 +95,29 @@ class DyingRules:
                 evidence={"total": total, "early": early, "loss": loss if loss is not None else math.nan}))
 
     def _starved(self, v: View, out: list[Alert]) -> None:
-        """Structural vanishing: the first layers get a vanishing share of the gradient (relative to their
-        weights) compared with the layer that gets the most, and the loss does not improve."""
+        """Structural vanishing: the first layer gets a vanishing share of the gradient per element compared
+        with the layer that gets the most (healthy nets: >= ~4 %; a deep sigmoid stack: ~1e-8), and the loss
+        does not improve. Per element, not per weight norm: a tiny init (std 0.01) vanishes too."""
         t, f, m, step = self.t, self.f, self.m, v.step
         if m.steps < t.vanish_steps or not m.stuck(t.vanish_steps, 0.9):
             self._starved_run = 0  # learning (or too early to tell): nothing to explain
             return
-        gw = gradient_to_weight(v, f, m)
-        gw[v.gn == 0] = np.nan  # exactly zero is a dead layer (dead_grad), not a vanishing one
-        ok = np.flatnonzero(np.isfinite(gw))
+        per = np.where(f.judged & ~v.nograd & np.isfinite(v.gn) & (v.gn > 0), v.gn / np.sqrt(f.numel), np.nan)
+        ok = np.flatnonzero(np.isfinite(per))  # exactly zero is a dead layer (dead_grad), not a vanishing one
         if len(ok) < 3:
             return
         first = f.forward_first(ok)
-        top = float(np.nanmax(gw))
-        ratio = float(gw[first]) / top if top > 0 else 1.0
-        start = m.start_loss()
+        best = int(np.nanargmax(per))
+        ratio = float(per[first] / per[best])
         self._starved_run = self._starved_run + 1 if ratio <= t.vanish_factor else 0
         cond = self._starved_run >= 3
         if self.ep(("vanishing_grad",), cond, step) and cond:
-            best = f.names[int(np.nanargmax(gw))]
             out.append(self.alert(
-                "vanishing_grad", step, f"{f.names[first]} gets {ratio:.2g} of the gradient (relative to its weights) "
-                f"that {best} gets, and the loss stays at {fmt(m.smooth_loss)} (it started at {fmt(start)}): the "
-                "gradient vanishes on its way down", layer=f.names[first],
-                evidence={"ratio": ratio, "first_grad_to_weight": float(gw[first]), "max_grad_to_weight": top,
-                          "loss": float(m.smooth_loss or math.nan)}))
+                "vanishing_grad", step, f"{f.names[first]} gets {ratio:.2g} of the gradient per element that "
+                f"{f.names[best]} gets, and the loss stays at {fmt(m.smooth_loss)} (it started at "
+                f"{fmt(m.start_loss())}): the gradient vanishes on its way down", layer=f.names[first],
+                evidence={"ratio": ratio, "first_grad_per_element": float(per[first]),
+                          "max_grad_per_element": float(per[best]), "loss": float(m.smooth_loss or math.nan)}))
 
     def _dead(self, v: View, out: list[Alert]) -> None:
         """Exactly-zero gradients in some layers while the rest learns; runs are counted in steps, whatever

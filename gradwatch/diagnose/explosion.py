@@ -190,6 +190,7 @@ class ExplosionRules:
             else:
                 lead = "; no loss spike before it: it leads"
             where = ", ".join(f"{n} x{r:.3g}" for n, r in top)
+            m.spike = (step, top[0][0] if top else None)
             out.append(self.alert("grad_spike", step, f"gradient norm {fmt(total)} is {total / level:.3g}x its "
                                   f"running level at step {step}; layers that jumped most: {where}{lead}",
                                   layer=top[0][0] if top else None, evidence=ev))
@@ -205,6 +206,7 @@ class ExplosionRules:
                 i = int(np.argmax(np.where(cand, lzs, -np.inf)))
                 name = self.f.names[i]
                 if self.ep(("grad_spike", name), True, step, lapse=True):
+                    m.spike = (step, name)
                     out.append(self.alert("grad_spike", step, f"{name}: gradient norm {fmt(float(v.gn[i]))} is "
                                           f"{float(ratio[i]):.3g}x its running level at step {step}", layer=name,
                                           evidence={"norm": float(v.gn[i]), "baseline": float(level_l[i]),

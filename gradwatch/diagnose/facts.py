@@ -93,6 +93,13 @@ class RunFacts:
             out.setdefault(int(m), []).append(i)
         return out
 
+    def first_module(self) -> int | None:
+        """The module that runs first in forward order (of those with parameters), by the backward order."""
+        if not self.n:
+            return None
+        m = int(self.module_of[self.forward_first(range(self.n))])
+        return m if m >= 0 else None
+
     def dividing_module(self) -> int | None:
         """The module most likely to divide by a batch's spread: the first custom module (not one of
         torch.nn's, which all have an epsilon) whose type or name says it normalises; else None."""
@@ -140,6 +147,7 @@ class Memory:
     grads_applied_bad: bool = False  # the previous step's non-finite gradients reached optimizer.step()
     weights_bad: bool = False  # the last check found non-finite weights
     explosion: tuple[int, str | None] | None = None  # (step, layer) of the last explosion alert
+    spike: tuple[int, str | None] | None = None  # (step, layer) of the last gradient-spike alert
     ratios: list[tuple[int, float]] = field(default_factory=list)  # (step, whole-model update ratio)
     last_ratio: tuple[int, float] | None = None
     collapse_step: int | None = None  # the step the total gradient norm fell >= 1000x in one step

@@ -66,7 +66,16 @@ class NonfiniteRules:
             ev: dict[str, float] = {"params": float(len(v.bad)), "with_grad": float(with_grad)}
             if counts:
                 ev["elements"] = float(sum(counts))
-            if some or (data_cause is None and why[0] is None):
+            if not some and data_cause is None and why[0] is None:
+                # every gradient NaN, weights and data clean, no activation statistics: the forward pass or the
+                # loss made it, and no evidence says where -- the first in backward order would only name the
+                # output layer
+                clean = "clean weights and inputs" if v.wbad is not None else "clean inputs"
+                layer, text, extra, causes = None, (
+                    f": every gradient is non-finite with {clean} -- the forward pass or the loss made it (if it "
+                    "comes back, activation statistics, armed automatically on CPU or with A in the viewer, name "
+                    "the first module that does)"), {}, ("activation", "loss_function", "learning_rate")
+            elif some or (data_cause is None and why[0] is None):
                 # only some gradients non-finite: the first in backward order is where it entered backward
                 first = f.backward_first(v.bad)
                 layer, text, extra, causes = f.names[first], (
@@ -203,4 +212,8 @@ class NonfiniteRules:
         if ex is not None and ex[1] is not None and v.step - ex[0] <= 20:
             return ex[1], f" -- the gradient explosion in {ex[1]} (step {ex[0]}) overflowed", \
                 {"explosion_step": float(ex[0])}, ("learning_rate", "initialisation", "activation")
+        sp = self.m.spike
+        if sp is not None and sp[1] is not None and v.step - sp[0] <= 20:
+            return sp[1], f" -- after the gradient spike in {sp[1]} at step {sp[0]}", {"spike_step": float(sp[0])}, \
+                ("learning_rate", "activation", "initialisation")
         return None, "", {}, None

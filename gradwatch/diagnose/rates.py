@@ -35,6 +35,7 @@ class RateRules:
         self._new: tuple[int, float, int] | None = None  # (update step, ratio, fastest matrix) measured now
         self._pending = False
         self._med = 0.0
+        self._rise_run = 0
         self._lr_hist: deque[tuple[int, float]] = deque(maxlen=t.warmup_window + 1)  # type: ignore[attr-defined]
         self._smooth: float | None = None
         self._min_smooth: float | None = None
@@ -86,8 +87,14 @@ class RateRules:
         t, m, step = self.t, self.m, v.step
         start = m.start_loss()
         stuck = m.stuck(t.update_ratio_steps, t.stuck_fraction)
-        rising = m.min_smooth is not None and m.smooth_loss is not None and m.min_smooth > 0 and \
-            m.smooth_loss >= t.warmup_loss_rise * m.min_smooth
+        # risen well above its best and staying there for `rise_steps` steps (a noisy small loss bounces),
+        # and not still far below where it started (a rise that keeps 3/4 of the progress is noise, not the LR
+        # undoing training)
+        above = m.min_smooth is not None and m.smooth_loss is not None and m.min_smooth > 0 and \
+            m.smooth_loss >= t.warmup_loss_rise * m.min_smooth and start is not None and m.smooth_loss >= 0.25 * start
+        if v.loss is not None:
+            self._rise_run = self._rise_run + 1 if above else 0
+        rising = self._rise_run >= t.rise_steps
         if self._new is not None:  # the median moves only when a measurement arrives
             readings = [r for _, r in m.ratios]
             self._med = float(np.median(readings)) if len(readings) >= t.update_ratio_window else 0.0
@@ -166,7 +173,9 @@ class RateRules:
         first_lr = self._lr_hist[0][1]
         rising = (len(self._lr_hist) > t.warmup_window // 2 and lr >= t.warmup_lr_growth * first_lr
                   and lr >= self._lr_hist[-2][1])
-        worse = self._min_smooth > 0 and self._smooth >= t.warmup_loss_rise * self._min_smooth
+        start = self.m.start_loss()
+        worse = (self._min_smooth > 0 and self._smooth >= t.warmup_loss_rise * self._min_smooth
+                 and start is not None and self._smooth >= 0.25 * start)
         if self.ep(("lr_warmup",), bool(rising and worse), v.step):
             out.append(self.alert(
                 "lr_warmup", v.step, f"loss {fmt(self._smooth)} (smoothed) rose {self._smooth / self._min_smooth:.2g}x "

@@ -33,7 +33,8 @@ class Thresholds:
     update_ratio: float = 0.02  # whole-model update ratio: the median over update_ratio_steps steps above this...
     update_ratio_window: int = 3  # ...of at least this many measurements...
     update_ratio_steps: int = 50
-    stuck_fraction: float = 0.7  # ...while the smoothed loss is still above this fraction of its start (or rising)
+    stuck_fraction: float = 0.7  # ...while the smoothed loss is still above this fraction of its start, or has
+    rise_steps: int = 20  # ...stayed warmup_loss_rise above its best for this many steps
     update_ratio_extreme: float = 0.3  # one update above this, and the loss did not fall after it
     warmup_lr_growth: float = 1.5  # LR grew by this factor over warmup_window steps...
     warmup_window: int = 50

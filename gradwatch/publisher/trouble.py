@@ -48,19 +48,17 @@ class TroubleCheck:
         self._level = 0.0
         self._count = 0
 
-    def check(self, loss: float | None, norms: list[float] | None, data_bad: bool) -> str | None:
-        """Why this step is a trouble step ("nonfinite", "jump"), or None. ``norms``: the host gradient
-        norms (None on CUDA: no verdict there, see the module docstring)."""
-        if norms is None:
+    def check(self, loss: float | None, total: float | None, data_bad: bool) -> str | None:
+        """Why this step is a trouble step ("nonfinite", "jump"), or None. ``total``: the total gradient norm
+        read on the host, NaN/Inf when a gradient is (None on CUDA: no verdict there, see the module
+        docstring)."""
+        if total is None:
             return None
-        if data_bad or (loss is not None and not math.isfinite(loss)):
+        if data_bad or (loss is not None and not math.isfinite(loss)) or not math.isfinite(total):
             return "nonfinite"
-        if not math.isfinite(sum(norms)):
-            return "nonfinite"
-        big = max(norms, default=0.0)
-        if big <= 0.0:
+        if total <= 0.0:
             return None
-        x = math.log10(big) + 0.5 * math.log10(math.fsum((v / big) ** 2 for v in norms))  # no overflow
+        x = math.log10(total)
         jump = self._count >= 3 and x - self._level >= math.log10(JUMP)
         if not jump:  # a jump does not move the level: the next steps are judged against the same one
             self._level = x if not self._count else self._level + 0.1 * (x - self._level)

@@ -601,10 +601,10 @@ class Watcher:
                 for gi, k, t in tensors:
                     parts.add(f"opt:{gi}:{k}", t)
         probe.updates(parts, meta)
-        norms = probe.grad_norms(parts, meta)
+        total = probe.grad_norms(parts, meta)
         batch = {name: data_stats(t, exact_on_host=host) for name, t in (("inputs", inputs), ("targets", targets))
                  if t is not None}
-        self._scan(step, meta, norms, batch, detail, inputs, targets)
+        self._scan(meta, total, batch, inputs, targets)
         for name, st in batch.items():
             if st is not None:
                 parts.add(f"data:{name}", st)
@@ -649,14 +649,14 @@ class Watcher:
         self.sender.submit(probe.finish(parts, step, time.time(), meta))
         self._plan_activations(step + 1)
 
-    def _scan(self, step: int, meta: dict[str, Any], norms: list[float] | None, batch: dict[str, Any],
-              detail: bool, inputs: Any, targets: Any) -> None:
+    def _scan(self, meta: dict[str, Any], total: float | None, batch: dict[str, Any], inputs: Any,
+              targets: Any) -> None:
         """Is this a trouble step (:mod:`~gradwatch.publisher.trouble`)? Then every gradient and weight is
         checked exactly at this boundary (``meta["scan"]``), and on a non-finite step the batch is
         checked for being degenerate (every sample the same)."""
         loss = meta.get("loss")
         data_bad = any(isinstance(st, tuple) and st[1] > 0 for st in batch.values())
-        why = self._trouble.check(loss if isinstance(loss, float) else None, norms, data_bad)
+        why = self._trouble.check(loss if isinstance(loss, float) else None, total, data_bad)
         if why is None:
             return
         meta["scan"] = why
