@@ -176,12 +176,12 @@ def install_fake_sync() -> None:
 
     orig = watcher_mod.data_stats
 
-    def data_stats(t: Any, exact_on_host: bool) -> Any:
+    def data_stats(t: Any, exact_on_host: bool, **kw: Any) -> Any:
         if FAKE_SYNC["mode"] == "warn":
             warnings.warn("called a synchronizing CUDA operation (FAKE: --cpu-smoke self-test)")
         elif FAKE_SYNC["mode"] == "error":
             raise RuntimeError("called a synchronizing CUDA operation (FAKE: --cpu-smoke self-test)")
-        return orig(t, exact_on_host)
+        return orig(t, exact_on_host, **kw)
 
     watcher_mod.data_stats = data_stats
 
@@ -282,10 +282,6 @@ class Runner:
         PHASE[0] = "outside"
 
     def block(self, k: int, sync: Callable[[], None]) -> float:
-        if self.gw is not None and hasattr(self.gw, "_last_t0"):
-            # gradwatch paces detail steps from the interval between steps: the pause while the other
-            # variants run is not a step, so restart that clock per block
-            self.gw._last_t0 = None
         sync()
         t0 = time.perf_counter()
         for _ in range(k):

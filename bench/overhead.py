@@ -12,17 +12,13 @@ Protocol (FINDINGS 25, research/performance.md §1, §7.3):
   runs twice per round ("bare" and the A/A control "bare_AA"): the A/A row is the noise floor.
 * Per-round ratio = mean step time of the variant's K-step block / the same for "bare" in that
   round. The block *mean* is used (not its median) because gradwatch does extra work on its
-  "detail" steps (max-abs, weight norms, update ratios; paced by gradwatch to ~1 % of training time
-  by default, or every N published steps with ``--detail-every N``) and a per-block median would
-  hide it. The table gives
+  "detail" steps (max-abs, weight norms, update ratios; the first 3 published steps, then every 10
+  by default, or every N with ``--detail-every N``) and a per-block median would hide it. The table gives
   the median of the per-round ratios with their min and max (and p25-p75 in the JSON).
 * The monitoring segment (the code between ``backward()`` and ``optimizer.step()``: ``gw.step()``
   or the hand-written monitor) is timed directly: segment ratio = 1 + median segment / median bare
   step. "seg amort." uses the 1 %-trimmed *mean* segment instead, which includes detail steps.
-  (``--detail-every``: ``gradwatch.watch(detail_every=N)``; default: the package default, which
-  paces detail steps from the measured step interval -- the bench restarts that clock at every block,
-  or the pause while the other variants run would read as one very slow step and make detail steps
-  far more frequent than in a real training loop.)
+  (``--detail-every``: ``gradwatch.watch(detail_every=N)``; default: the package default, 10.)
   Work gradwatch does outside ``gw.step()`` (its sender thread, its optimizer hook) shows only in the
   whole-step ratio.
 * "gradwatch+sub" has a live subscriber: a separate process (``bench/_subscriber.py``) that
@@ -99,10 +95,6 @@ class Variant:
 
     def block(self, k: int) -> list[float]:
         model, opt, x, y, loss_fn, mon = self.model, self.opt, self.x, self.y, self.loss_fn, self.monitor
-        if self.gw is not None and hasattr(self.gw, "_last_t0"):
-            # gradwatch paces its detail steps from the measured interval between steps; the pause
-            # while the other variants run is not a training step, so restart that clock per block.
-            self.gw._last_t0 = None
         pc = time.perf_counter
         times: list[float] = []
         segs = self.segs

@@ -36,6 +36,8 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
+from gradwatch.publisher.trouble import is_detail  # noqa: E402
+
 from _models import make_workload  # noqa: E402
 
 PLAN = {"tiny_mlp": 3000, "mid_mlp": 60, "transformer": 20}
@@ -98,7 +100,7 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
             loss.backward()
-            detail = gw._published >= gw._next_detail
+            detail = is_detail(gw._published, gw._detail_every)
             if timers is not None:
                 timers.acc.clear()
             t0 = pc()
@@ -126,15 +128,16 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
     timers = Timers()
     undo = [
         timers.wrap(probes.GradProbe, "settle", "GradProbe.settle (update ratio of last detail step)"),
-        timers.wrap(probes.GradProbe, "collect", "GradProbe.collect (grad norms; detail: max-abs, weight norms, snapshot)"),
+        timers.wrap(probes.GradProbe, "grad_norms", "GradProbe.grad_norms (every step: grad norms, read on CPU)"),
+        timers.wrap(probes.GradProbe, "details", "GradProbe.details (detail/trouble: max-abs, weight norms, snapshot)"),
         timers.wrap(probes.GradProbe, "_foreach_norm", "  of which GradProbe._foreach_norm (all calls)"),
-        timers.wrap(probes.GradProbe, "_maxabs_exact", "  of which GradProbe._maxabs_exact (detail, per tensor)"),
+        timers.wrap(probes.GradProbe, "_maxabs_vec", "  of which GradProbe._maxabs_vec (detail, fused max-abs)"),
         timers.wrap(probes.GradProbe, "finish", "GradProbe.finish (torch.cat into one buffer)"),
         timers.wrap(watcher, "data_stats", "data_stats(inputs) + data_stats(targets)"),
         timers.wrap(watcher, "scalar_part", "scalar_part(loss)"),
         timers.wrap(watcher, "hyper_of", "hyper_of(optimizer.param_groups)"),
         timers.wrap(sender.Sender, "submit", "Sender.submit (deque.append, wake-up when half full)"),
-        timers.wrap(watcher.Watcher, "_pace_detail", "Watcher._pace_detail (detail-step pacing)"),
+        timers.wrap(watcher.Watcher, "_scan", "Watcher._scan (is this a trouble step?)"),
         timers.wrap(probes.Parts, "add", "  of which Parts.add (all calls, incl. tensor -> bytes on CPU)"),
     ]
     # the sender thread: CPU time (time.thread_time is per calling thread) of its pieces
@@ -269,8 +272,6 @@ def sender_interference(name: str, args: argparse.Namespace) -> None:
 
     def block(kind: str, n: int) -> None:
         m, o, gw, blocks, segs = runs[kind]
-        if gw is not None and hasattr(gw, "_last_t0"):
-            gw._last_t0 = None  # the pause between blocks is not a step: keep gradwatch's detail pacing honest
         pc = time.perf_counter
         t0 = pc()
         for _ in range(n):
