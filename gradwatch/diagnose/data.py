@@ -8,16 +8,19 @@ Statistics are per batch and cheap (numel, non-finite count, min, max, mean, std
 
 from __future__ import annotations
 
+from math import isfinite
+
 from gradwatch.diagnose.facts import Memory, RunFacts, View
 from gradwatch.diagnose.nonfinite import degenerate
-from gradwatch.diagnose.stats import Ema1, Episodes, finite, fmt
+from gradwatch.diagnose.stats import Ema1, Episodes, fmt
 from gradwatch.diagnose.vocabulary import Alert
 
 
 def _far(d: object, t: object) -> bool:
     """Float values far from normalised: the spread, the offset or the magnitude."""
     big = max(abs(d.min), abs(d.max))  # type: ignore[attr-defined]
-    return ((finite(d.std) and d.std > t.input_std) or (finite(d.mean) and abs(d.mean) > t.input_mean)  # type: ignore[attr-defined]
+    # (a NaN std or mean compares False: the range decides then)
+    return (d.std > t.input_std or abs(d.mean) > t.input_mean  # type: ignore[attr-defined]
             or big > t.input_abs)
 
 
@@ -33,7 +36,7 @@ class DataRules:
     def observe(self, v: View, out: list[Alert]) -> None:
         s, step, t = v.s, v.step, self.t
         d = s.data.get("inputs")
-        if d is not None and not d.nonfinite and finite(d.min) and finite(d.max):
+        if d is not None and not d.nonfinite and isfinite(d.min) and isfinite(d.max):
             wild = not d.integer and _far(d, t)
             if self.ep(("input_range",), wild, step):
                 first = self.f.first_module()
@@ -47,7 +50,7 @@ class DataRules:
                     evidence={"min": d.min, "max": d.max, "mean": d.mean, "std": d.std},
                     severity="info" if normed else None))
             deg = degenerate(s)
-            loss_bad = s.loss is not None and not finite(s.loss)
+            loss_bad = s.loss is not None and not isfinite(s.loss)
             # a degenerate batch that made the loss NaN is told by nonfinite_loss, which names the divider
             if self.ep(("degenerate_batch",), deg is not None and not loss_bad, step) and deg is not None:
                 m = self.f.dividing_module()
@@ -59,7 +62,7 @@ class DataRules:
             elif deg is not None and loss_bad:
                 self.ep.hold(("degenerate_batch",), step)
         tg = s.data.get("targets")
-        if tg is not None and not tg.nonfinite and finite(tg.min) and finite(tg.max) and finite(tg.mean):
+        if tg is not None and not tg.nonfinite and isfinite(tg.min) and isfinite(tg.max) and isfinite(tg.mean):
             self._outlier(v, tg, out)
             self._misfit(v, tg, out)
 

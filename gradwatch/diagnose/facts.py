@@ -138,6 +138,7 @@ class Memory:
     wn_step: int = -1  # ...and their step
     init_scale: np.ndarray | None = None  # rms(w) * sqrt(fan_in) at the first measurement (1/sqrt(3) is default init)
     first_losses: list[float] = field(default_factory=list)
+    _start: float | None = None  # start_loss(), once the first three losses are in
     smooth_loss: float | None = None
     hist_steps: list[int] = field(default_factory=list)  # steps and smoothed losses, for "not improving"
     hist_smooth: list[float] = field(default_factory=list)
@@ -159,10 +160,15 @@ class Memory:
 
     def start_loss(self) -> float | None:
         """The median of the first three finite losses: where training started."""
+        if self._start is not None:
+            return self._start
         f = self.first_losses
         if not f:
             return None
-        return f[0] if len(f) == 1 else (0.5 * (f[0] + f[1]) if len(f) == 2 else sorted(f)[1])
+        if len(f) == 3:
+            self._start = sorted(f)[1]
+            return self._start
+        return f[0] if len(f) == 1 else 0.5 * (f[0] + f[1])
 
     def note_loss(self, step: int, loss: float | None) -> None:
         if loss is None:

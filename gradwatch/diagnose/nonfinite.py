@@ -14,7 +14,8 @@ The order of suspicion, strongest evidence first, for a step whose loss or gradi
 
 from __future__ import annotations
 
-import numpy as np
+import math
+
 
 from gradwatch.diagnose.facts import Memory, RunFacts, View
 from gradwatch.diagnose.stats import Episodes, fmt
@@ -26,9 +27,9 @@ AlertFn = object  # the engine's alert factory (see Engine.alert)
 def degenerate(s: object) -> dict[str, float] | None:
     """Evidence that the float input batch is degenerate (every sample the same), or None."""
     d = getattr(s, "data", {}).get("inputs")
-    if d is None or d.integer or d.numel < 2 or d.nonfinite:
+    if d is None or not (d.spread == 0.0 or d.min == d.max) or d.integer or d.numel < 2 or d.nonfinite:
         return None
-    if d.spread == 0.0 or (d.min == d.max and np.isfinite(d.min)):
+    if d.spread == 0.0 or math.isfinite(d.min):
         return {"input_min": float(d.min), "input_max": float(d.max), "input_std": float(d.std),
                 "input_spread": 0.0}
     return None
@@ -45,8 +46,10 @@ class NonfiniteRules:
         data_cause = self._data(v, out)
         poisoned = self._weights(v, out)
         self._activation(v, out, dead=self.m.weights_bad and poisoned is None)
-        why = self._why(v, data_cause, poisoned)
-        loss_bad = s.loss is not None and not np.isfinite(s.loss)
+        loss_bad = s.loss is not None and not math.isfinite(s.loss)
+        # the attribution is only needed on a non-finite step (the common healthy step skips it)
+        why = self._why(v, data_cause, poisoned) if loss_bad or len(v.bad) or s.missed.get("loss") else \
+            (None, "", {}, None)
         if self.ep(("nonfinite_loss",), loss_bad or bool(s.missed.get("loss")), step):
             if loss_bad:
                 msg = f"loss is {fmt(float(s.loss))} at step {step}"

@@ -20,7 +20,7 @@ from collections import deque
 import numpy as np
 
 from gradwatch.diagnose.facts import Memory, RunFacts, View
-from gradwatch.diagnose.stats import Episodes, fmt
+from gradwatch.diagnose.stats import Episodes, fmt, median
 from gradwatch.diagnose.vocabulary import Alert
 
 
@@ -86,7 +86,6 @@ class RateRules:
     def _too_high(self, v: View, out: list[Alert]) -> None:
         t, m, step = self.t, self.m, v.step
         start = m.start_loss()
-        stuck = m.stuck(t.update_ratio_steps, t.stuck_fraction)
         # risen well above its best and staying there for `rise_steps` steps (a noisy small loss bounces),
         # and not still far below where it started (a rise that keeps 3/4 of the progress is noise, not the LR
         # undoing training)
@@ -97,8 +96,9 @@ class RateRules:
         rising = self._rise_run >= t.rise_steps
         if self._new is not None:  # the median moves only when a measurement arrives
             readings = [r for _, r in m.ratios]
-            self._med = float(np.median(readings)) if len(readings) >= t.update_ratio_window else 0.0
+            self._med = median(readings) if len(readings) >= t.update_ratio_window else 0.0
         med = self._med
+        stuck = med > t.update_ratio and m.stuck(t.update_ratio_steps, t.stuck_fraction)  # (only when it matters)
         sustained = med > t.update_ratio and (stuck or rising)
         if sustained and len(self._lr_hist) > 1 and self._lr_hist[-1][1] >= t.warmup_lr_growth * self._lr_hist[0][1]:
             sustained = False  # the LR is still climbing: that is lr_warmup's call
