@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 
 from scenarios import runner as S  # noqa: E402
 from scenarios.catalog import CASES, HEALTHY, UNSET, Case  # noqa: E402
-from scenarios.runner import Result  # noqa: E402
+from scenarios.runner import NONFINITE_KINDS, Result  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +73,11 @@ def judge(case: Case, res: Result) -> None:
     for kind, layer in case.layers:
         got = next((a for a in res.alerts if a.kind == kind), None)
         assert got is not None and got.layer == layer, f"{kind} names {got.layer if got else None!r}, not {layer!r}"
+    # one alert per episode: a model that stays dead (NaN every step, weights checked again and again) is
+    # one alert of each non-finite kind, not one per check
+    for kind in NONFINITE_KINDS:
+        times = [a.step for a in res.alerts if a.kind == kind and a.level >= 1]
+        assert len(times) <= 1, f"{kind} raised {len(times)} times (steps {times})\n{res.report()}"
 
 
 @pytest.mark.timeout(90)
