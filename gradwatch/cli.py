@@ -147,16 +147,12 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def cmd_debug(args: argparse.Namespace) -> int:
-    """``gradwatch debug RUN``: pause the run at its next safe point and talk to its pdb, line by line.
-
-    Works without a terminal too (a pipe). End of input, Ctrl-C and ``q`` continue training; the
-    trainer also continues by itself if this process dies (it stops pinging)."""
+    """``gradwatch debug RUN``: pause the run at its next safe point and talk to its pdb, line by line
+    (a terminal or a pipe: :mod:`gradwatch.debug_session`)."""
     import dataclasses
-    import queue
-    import threading
 
-    from gradwatch.controller import Controller
-    from gradwatch.transport import TransportError, check_endpoint, find_run, read_connection_file
+    from gradwatch.debug_session import debug
+    from gradwatch.transport import TransportError, check_endpoint, find_run
 
     info = find_run(args.run)
     if info.state != "live":
@@ -164,76 +160,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
     if args.control:
         check_endpoint(args.control)
         info = dataclasses.replace(info, control=args.control)
-    ctl = Controller(info)
-    out = sys.stdout
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read_stdin() -> None:
-        try:
-            for line in sys.stdin:
-                lines.put(line)
-        except (OSError, ValueError):
-            pass
-        lines.put(None)
-
-    try:
-        state = ctl.hello(timeout=args.timeout)
-        name = f"{clean(info.name, 60)} ({info.run})"
-        if state.get("paused"):
-            ctl.attach()
-            print(f"gradwatch: {name} is paused at step {state.get('step')}; attached to its debugger", file=out)
-        elif args.no_pause:
-            ctl.attach()
-            print(f"gradwatch: waiting for {name} to pause (pause_on or another viewer)...", file=out, flush=True)
-        else:
-            r = ctl.pause(reason="requested by gradwatch debug")
-            if not r.ok:
-                raise TransportError(f"the trainer refused to pause: {clean(r.message, 200)}")
-            print(f"gradwatch: {clean(r.message, 200)}; waiting for {name}...", file=out, flush=True)
-        threading.Thread(target=read_stdin, name="gradwatch-debug-stdin", daemon=True).start()
-        next_check = 0.0
-        was_paused = bool(state.get("paused"))
-        while True:
-            for r in ctl.poll(0.05):
-                if "out" in r.data:
-                    out.write(str(r.data["out"]))
-                    out.flush()
-                event = r.data.get("event")
-                if event == "paused":
-                    was_paused = True
-                elif event == "resumed":
-                    print(f"\ngradwatch: training resumed at step {r.data.get('step')} "
-                          f"({clean(r.data.get('why', ''), 100)})", file=out, flush=True)
-                    return 0
-                if not r.ok and r.message:
-                    print(f"gradwatch: {clean(r.message, 200)}", file=out, flush=True)
-            try:
-                line = lines.get_nowait()
-            except queue.Empty:
-                line = ""
-            if line is None:  # end of input: continue training, as pdb's EOF does here
-                if was_paused or ctl.paused:
-                    ctl.send("detach")
-                    print("\ngradwatch: end of input; training continues", file=out, flush=True)
-                else:
-                    ctl.send("resume")  # withdraw a pause that has not happened yet
-                return 0
-            if line:
-                ctl.input(line.rstrip("\n"))
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + 1.0
-                if info.path is not None and read_connection_file(info.path).state != "live":
-                    raise TransportError(f"run {name} has ended")
-    except KeyboardInterrupt:
-        try:
-            ctl.send("detach" if ctl.paused else "resume")
-        except TransportError:
-            pass
-        print("\ngradwatch: interrupted; training continues", file=sys.stderr)
-        return 130
-    finally:
-        ctl.close()
+    return debug(info, pause=not args.no_pause, pause_timeout=args.pause_timeout, timeout=args.timeout)
 
 
 def _need_terminal() -> None:
@@ -355,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="do not ask for a pause: attach and wait for one (pause_on, or another viewer)")
     debug.add_argument("--control", metavar="ENDPOINT", help="send commands to this endpoint (a forwarded socket)")
     debug.add_argument("--timeout", type=_positive_float, default=5.0, help="seconds to wait for the run to answer")
+    debug.add_argument("--pause-timeout", type=_positive_float, default=120.0,
+                       help="seconds to wait for the trainer to reach its safe point (default 120); then exit 1")
     replay = sub.add_parser("replay", help="show a recording in the viewer")
     replay.add_argument("file")
     replay.add_argument("--speed", type=_positive_float, default=1.0, help="replay speed factor (default 1)")

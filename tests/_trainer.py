@@ -23,10 +23,13 @@ p.add_argument("--max-pause", type=float, default=1800.0)
 p.add_argument("--no-control", action="store_true")
 p.add_argument("--debug-in", default="viewer")
 p.add_argument("--loader-workers", type=int, default=0, help="draw batches from a DataLoader with N workers")
+p.add_argument("--evil-name", action="store_true", help="a module named with terminal escapes (title, clipboard)")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+if args.evil_name:  # OSC 2 (window title) and OSC 52 (clipboard write): must never reach a terminal raw
+    model.add_module("fc\x1b]2;PWNED\x07\x1b]52;c;cHduZWQ=\x07", torch.nn.Identity())
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 gw = gradwatch.watch(model, opt, name=args.name, endpoint=args.endpoint, max_pause=args.max_pause,
                      control=not args.no_control, debug_in=args.debug_in)
