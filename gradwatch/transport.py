@@ -21,6 +21,7 @@ import os
 import secrets
 import socket
 import stat
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,9 +87,19 @@ def runs_dir(base: Path | None = None) -> Path:
     return _ensure_private_dir((base or runtime_dir()) / "runs")
 
 
-def _short_socket_dir() -> Path:
+def _short_socket_dir() -> tuple[Path, str]:
+    """A short directory for ipc sockets, and a note. ``/tmp/gw-<uid>`` normally; if another user created
+    that path first (squatting it), a fresh one with an unguessable name (``mkdtemp``: 0700, ours), which
+    no one can squat -- the socket's path is written in the connection file, so discovery still works."""
     tmp = os.environ.get("TMPDIR") or "/tmp"
-    return _ensure_private_dir(Path(tmp) / f"gw-{_uid()}")
+    try:
+        return _ensure_private_dir(Path(tmp) / f"gw-{_uid()}"), ""
+    except TransportError as exc:
+        try:
+            fresh = Path(tempfile.mkdtemp(prefix=f"gw-{_uid()}-", dir=tmp))
+        except OSError as err:
+            raise TransportError(f"{exc}; and no private directory can be made in {tmp}: {err}") from None
+        return fresh, f" ({exc}: someone else may have created it; using {fresh} instead)"
 
 
 def ipc_endpoint(run_id: str, suffix: str, base: Path | None = None) -> tuple[str, str | None]:
@@ -97,11 +108,12 @@ def ipc_endpoint(run_id: str, suffix: str, base: Path | None = None) -> tuple[st
     path = sock_dir / f"{run_id}.{suffix}"
     if len(os.fsencode(str(path))) <= IPC_PATH_MAX:
         return f"ipc://{path}", None
-    short = _short_socket_dir() / f"{run_id}.{suffix}"
+    short_dir, why = _short_socket_dir()
+    short = short_dir / f"{run_id}.{suffix}"
     if len(os.fsencode(str(short))) > IPC_PATH_MAX:
         raise TransportError(f"socket path {short} is longer than {IPC_PATH_MAX} bytes, even in the fallback")
     return f"ipc://{short}", (
-        f"socket path under {sock_dir} would exceed {IPC_PATH_MAX} bytes; using {short.parent} instead"
+        f"socket path under {sock_dir} would exceed {IPC_PATH_MAX} bytes; using {short.parent} instead{why}"
     )
 
 
@@ -277,13 +289,26 @@ def read_connection_file(path: str | os.PathLike[str]) -> RunInfo:
 
 
 def _write_exclusive(path: Path, data: dict[str, Any]) -> None:
+    """Create ``path`` 0600 with ``data`` in it, or leave nothing behind: a write that fails (a full disk,
+    a file-size limit) removes the file it created, so no empty or cut connection file outlives the error."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(path, flags, 0o600)
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
-        os.write(fd, json.dumps(data, indent=1).encode())
-    finally:
+        body = memoryview(json.dumps(data, indent=1).encode())
+        done = 0
+        while done < len(body):
+            done += os.write(fd, body[done:])
         os.close(fd)
+        fd = -1
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
 
 
 def write_connection_file(info: RunInfo, base: Path | None = None) -> Path:
@@ -331,6 +356,13 @@ def list_runs(base: Path | None = None, *, prune: bool = True) -> tuple[list[Run
         try:
             info = read_connection_file(p)
         except TransportError as exc:
+            if prune and _stale_and_ours(p, now):  # an empty or cut file from a crash or a full disk
+                try:
+                    p.unlink()
+                    problems.append(f"removed {p.name}: unreadable for over {UNREADABLE_GRACE_S:.0f} s ({exc})")
+                    continue
+                except OSError:
+                    pass
             problems.append(str(exc))
             continue
         if prune and info.state != "live" and now - (info.ended or info.started) > KEEP_ENDED_S:
@@ -343,6 +375,18 @@ def list_runs(base: Path | None = None, *, prune: bool = True) -> tuple[list[Run
         runs.append(info)
     runs.sort(key=lambda r: r.started, reverse=True)
     return runs, problems
+
+
+#: An unreadable connection file older than this (an empty one left by a crash or a full disk) is removed.
+UNREADABLE_GRACE_S = 60.0
+
+
+def _stale_and_ours(path: Path, now: float) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == _uid() and now - st.st_mtime > UNREADABLE_GRACE_S
 
 
 def find_run(spec: str | None, base: Path | None = None) -> RunInfo:

@@ -14,6 +14,7 @@ and ``LINGER=0`` means closing never waits for a viewer.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -310,6 +311,7 @@ class Sender(threading.Thread):
     def _write_flight(self, step: int) -> str:
         """The flight recorder: schema, the last ``flight_steps`` steps and recent events, next to the
         viewer's recordings (``gradwatch replay FILE``). Returns the path, or "" if it could not be written."""
+        path = None
         try:
             from gradwatch.record import Recorder, default_recording_path
 
@@ -322,9 +324,15 @@ class Sender(threading.Thread):
             for body in list(self._events):
                 rec.write_body(body, now)
             rec.close()
+            if rec.failed:  # a full disk: no half-written (or empty) file that looks like a flight record
+                self.last_error = f"flight recorder: {rec.error}"
+                _unlink(path)
+                return ""
             return str(path)
         except Exception as exc:  # noqa: BLE001 - a full disk must not cost the telemetry
             self.last_error = f"flight recorder: {type(exc).__name__}: {exc}"
+            if path is not None:
+                _unlink(path)
             return ""
 
     def _flush(self, zmq: Any) -> None:
@@ -457,3 +465,10 @@ class Sender(threading.Thread):
             weight_nonfinite=wnf,
         )
         return step, events
+
+
+def _unlink(path: Any) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

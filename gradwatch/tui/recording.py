@@ -36,7 +36,7 @@ class SessionRecorder:
                 self._rec.write(msg, time.time() if t is None else t)
                 if getattr(self._rec, "failed", False):
                     self.error = getattr(self._rec, "error", "recording failed")
-                    self.display = f"(recording stopped: {self.error})"
+                    self.display = f"({self.error})"  # the recorder's message says "recording stopped" itself
         except Exception as exc:  # noqa: BLE001 - a recording problem must never stop the viewer
             self.error = f"{type(exc).__name__}: {exc}"
             self.display = f"(not recording: {self.error})"

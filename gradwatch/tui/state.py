@@ -45,6 +45,9 @@ from gradwatch.diagnose import Diagnoser
 from gradwatch.protocol import Event, Heartbeat, History, Schema, Step
 from gradwatch.text import clean
 
+#: The largest forward jump of the step counter taken as the newest step (see RunState._apply_step).
+MAX_STEP_JUMP = 10**12
+
 #: Longest layer / module name shown (longer ones are cut with an ellipsis).
 NAME_LEN = 120
 #: Alerts kept, newest first.
@@ -491,7 +494,9 @@ class RunState:
                 self._wn_step = step
         if s.update_ratio is not None:
             self._apply_update_ratio(s, step)
-        newest = self.last_step is None or step > self.last_step
+        # a step that jumps absurdly far ahead (2**63 - 1 from a buggy counter) is kept, but must not become
+        # the header's step for good: every real step after it would look old
+        newest = self.last_step is None or self.last_step < step <= self.last_step + MAX_STEP_JUMP
         if newest:
             self.last_step = step
             self._newest_slot = slot
