@@ -4,7 +4,9 @@ A pause is code execution (research/reliability.md §8), so every command frame 
 like telemetry (HMAC with the run's key, checked before decoding) and then replay-checked: per
 viewer session a strictly increasing sequence number and a timestamp within
 :data:`~gradwatch.protocol.COMMAND_MAX_AGE_S`. A rejected frame is counted by reason, logged
-(rate-limited) and dropped; it never reaches the pause logic. Over TCP the socket is additionally
+(rate-limited) and dropped; it never reaches the pause logic. A peer that keeps sending rejected frames is
+quarantined (its frames dropped unread), and a flood makes the thread read in spaced batches so libzmq
+drops the excess at the high-water mark, outside the GIL (:data:`FLOOD_REJECTS_PER_S`). Over TCP the socket is additionally
 a CURVE server with an allow-list (see :func:`bind_control`).
 
 This thread owns the socket (zmq sockets are not thread-safe). It never blocks the training
@@ -34,6 +36,18 @@ IDLE_POLL_S = 0.25
 MAX_COMMAND_BYTES = 64 * 1024
 #: Rejected commands logged one by one per minute; the rest are summarised once a minute.
 LOG_FIRST = 5
+#: A peer (a connection: ROUTER identity) with more rejected frames than this in one second is dropped
+#: unread -- no HMAC, no decode -- for :data:`QUARANTINE_S` seconds.
+PEER_REJECTS_PER_S = 50
+QUARANTINE_S = 5.0
+#: More rejected (or quarantined) frames than this per second in all: the thread reads one batch, then sleeps
+#: :data:`FLOOD_BACKOFF_S`, so the socket's receive high-water mark (1,000 frames) drops the rest inside
+#: libzmq's I/O thread, which holds no GIL: a flood costs the training thread little.
+FLOOD_REJECTS_PER_S = 200
+FLOOD_BACKOFF_S = 0.1
+#: Frames read per batch while flooded (~5,000 a second, ~8 us each: a few % of a core), so a backlog left
+#: by a flooder that reconnects to dodge the quarantine drains in seconds and the owner's commands get through.
+FLOOD_BATCH = 512
 
 #: What a handler returns: (ok, message, data) to reply with, or None for no reply.
 Handled = "tuple[bool, str, dict[str, Any]] | None"
@@ -131,6 +145,13 @@ class ControlServer(threading.Thread):
         self.rejected: Counter[str] = Counter()
         self.accepted = 0
         self.errors = 0
+        #: frames dropped unread: from a quarantined peer, or while the socket is flooded
+        self.rate_limited = 0
+        self._peer_rejects: dict[bytes, int] = {}  # rejections per peer in the current second
+        self._quarantine: dict[bytes, float] = {}  # peer -> monotonic time its quarantine ends
+        self._second = time.monotonic()
+        self._rejects_this_second = 0
+        self._flooded = False
 
     # ------------------------------------------------------------------ any thread
 
@@ -159,7 +180,7 @@ class ControlServer(threading.Thread):
                 try:
                     wait = POLL_S if self._outbox or self._busy is None or self._busy() else IDLE_POLL_S
                     if sock.poll(int(wait * 1000), zmq.POLLIN):
-                        for _ in range(256):  # bounded per turn: a flood cannot starve the outbox
+                        for _ in range(FLOOD_BATCH if self._flooded else 256):  # bounded: the outbox gets its turn
                             try:
                                 parts = sock.recv_multipart(zmq.NOBLOCK)
                             except zmq.Again:
@@ -167,6 +188,9 @@ class ControlServer(threading.Thread):
                             self._receive(parts)
                     self._flush_outbox(zmq)
                     self.audit.tick()
+                    self._tick_second()
+                    if self._flooded:  # let the high-water mark drop the flood, unread, without the GIL
+                        time.sleep(FLOOD_BACKOFF_S)
                 except Exception:  # noqa: BLE001 - the control thread must outlive any bad input
                     self.errors += 1
                     time.sleep(POLL_S)
@@ -180,17 +204,40 @@ class ControlServer(threading.Thread):
             if self._on_stop is not None:
                 self._on_stop()
 
-    def _reject(self, reason: str, detail: str = "") -> None:
+    def _tick_second(self) -> None:
+        now = time.monotonic()
+        if now - self._second >= 1.0:
+            self._flooded = self._rejects_this_second > FLOOD_REJECTS_PER_S
+            self._second, self._rejects_this_second = now, 0
+            self._peer_rejects.clear()
+            for peer in [p for p, until in self._quarantine.items() if until <= now]:
+                del self._quarantine[peer]
+
+    def _count_flood(self) -> None:
+        self._rejects_this_second += 1
+        if self._rejects_this_second > FLOOD_REJECTS_PER_S:
+            self._flooded = True  # at once, not at the next second: the first second of a flood costs too
+
+    def _reject(self, reason: str, detail: str = "", peer: bytes | None = None) -> None:
         self.rejected[reason] += 1
         self.audit.rejected(reason, detail)
+        self._count_flood()
+        if peer is not None and len(self._peer_rejects) < 4096:
+            n = self._peer_rejects[peer] = self._peer_rejects.get(peer, 0) + 1
+            if n > PEER_REJECTS_PER_S and len(self._quarantine) < 4096:
+                self._quarantine[peer] = time.monotonic() + QUARANTINE_S
 
     def _receive(self, parts: list[bytes]) -> None:
+        if parts and parts[0] in self._quarantine:  # a peer that floods us: dropped unread
+            self.rate_limited += 1
+            self._count_flood()  # (still a flood: counts towards backing off)
+            return
         if len(parts) != 2:
-            self._reject("invalid", f"{len(parts) - 1} frames, expected 1")
+            self._reject("invalid", f"{len(parts) - 1} frames, expected 1", parts[0] if parts else None)
             return
         ident, frame = parts
         if len(frame) > MAX_COMMAND_BYTES:
-            self._reject("too_large", f"{len(frame)} bytes")
+            self._reject("too_large", f"{len(frame)} bytes", ident)
             return
         try:
             msg = protocol.decode(frame, self._signer)
@@ -198,7 +245,7 @@ class ControlServer(threading.Thread):
                 raise DecodeError("invalid", f"a {type(msg).__name__} is not a command")
             self._guard.check(msg)  # after the MAC: replay state only moves for authentic frames
         except DecodeError as exc:
-            self._reject(exc.reason, exc.detail)
+            self._reject(exc.reason, exc.detail, ident)
             return
         self.accepted += 1
         self._routes[msg.session] = ident

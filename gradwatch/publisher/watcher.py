@@ -350,6 +350,7 @@ class Watcher:
         c = {"trainer_errors": self._errors, "steps": self._step, "published": self._published}
         if self._control is not None:
             c["rejected_cmd"] = sum(self._control.rejected.values())
+            c["cmd_rate_limited"] = self._control.rate_limited
             c["commands"] = self._control.accepted
         return c
 
