@@ -24,10 +24,12 @@ p.add_argument("--no-control", action="store_true")
 p.add_argument("--debug-in", default="viewer")
 p.add_argument("--loader-workers", type=int, default=0, help="draw batches from a DataLoader with N workers")
 p.add_argument("--evil-name", action="store_true", help="a module named with terminal escapes (title, clipboard)")
+p.add_argument("--layers", type=int, default=0, help="N more Linear(64, 64) layers: a schema of 2N+4 parameters")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+model = torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(),
+                            *[torch.nn.Linear(64, 64) for _ in range(args.layers)], torch.nn.Linear(64, 1))
 if args.evil_name:  # OSC 2 (window title) and OSC 52 (clipboard write): must never reach a terminal raw
     model.add_module("fc\x1b]2;PWNED\x07\x1b]52;c;cHduZWQ=\x07", torch.nn.Identity())
 opt = torch.optim.SGD(model.parameters(), lr=0.01)

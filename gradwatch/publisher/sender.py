@@ -6,7 +6,8 @@ waiting for the device copy, encoding, signing, sending, heartbeats, answering n
 here, in one daemon thread that owns the socket (zmq sockets are not thread-safe).
 
 Bounds (FINDINGS 9-10, R-A5): the queue has ``maxlen`` (the oldest item is dropped and counted),
-the socket's SNDHWM is sized from the frame size so a stalled viewer costs at most ~32 MiB, frames
+the socket's SNDHWM is sized from the largest frame so a subscriber that stops reading holds at most
+~:data:`SUBSCRIBER_BUDGET` bytes (8 MiB; the data of a frame sent to many subscribers is shared), frames
 above ``MAX_FRAME_BYTES`` are dropped and counted, the history ring is capped in steps and bytes,
 and ``LINGER=0`` means closing never waits for a viewer.
 """
@@ -29,8 +30,14 @@ from gradwatch._warn import warn
 from gradwatch.protocol import DataStats, Event, Heartbeat, Signer, Step
 
 HEARTBEAT_S = 1.0
-#: Steps drained together travel in one frame up to about this size.
-BATCH_BYTES = 512 * 1024
+#: Steps drained together travel in one frame up to about this size...
+BATCH_BYTES = 256 * 1024
+#: ...and a history replay in chunks of about this size (one big step may still be larger).
+HISTORY_CHUNK_BYTES = 256 * 1024
+#: Bytes of frames a subscriber that stops reading may hold in the trainer's send queue: SNDHWM (which
+#: counts frames) is set to this over the largest frame size (the data of a frame sent to many subscribers
+#: is shared, so this bounds the unique bytes queued, not per-subscriber copies).
+SUBSCRIBER_BUDGET = 8 * 1024 * 1024
 #: How often the sender drains the queue when nobody wakes it: the added latency, step to wire.
 DRAIN_S = 0.02
 #: After this many consecutive failures the sender stops trying (one warning); training goes on.
@@ -200,7 +207,9 @@ class Sender(threading.Thread):
             self.counters["dropped_send"] += 1
 
     def _answer_subscriptions(self, zmq: Any) -> None:
-        """XPUB hands us b'\\x01'+topic per subscriber (XPUB_VERBOSE): reply with schema + history."""
+        """XPUB hands us b'\\x01'+topic per subscription and, with XPUB_VERBOSER, b'\\x00'+topic when one ends
+        (also when a subscriber just disconnects), so ``subscribers`` counts who is really there. A join is
+        answered with the schema and a history replay."""
         joined = False
         while self._sock.poll(0, zmq.POLLIN):
             msg = self._sock.recv(zmq.NOBLOCK)
@@ -225,7 +234,7 @@ class Sender(threading.Thread):
         events = list(self._events)
         chunk: list[bytes] = []
         size = 0
-        limit = 1024 * 1024
+        limit = HISTORY_CHUNK_BYTES
         for body in steps:
             if chunk and size + len(body) > limit:
                 self._send(protocol.history_body(self.cfg.run, self._next_seq(), time.time(), chunk, []), zmq)

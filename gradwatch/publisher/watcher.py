@@ -31,11 +31,10 @@ from gradwatch import protocol, transport
 from gradwatch._warn import warn
 from gradwatch.publisher.probes import ActivationProbe, GradProbe, Parts, data_stats, hyper_of, module_tree, scalar_part
 from gradwatch.publisher.pause import PAUSE_ON_KINDS, PauseControl
-from gradwatch.publisher.sender import BATCH_BYTES, Sender, SenderConfig
+from gradwatch.publisher.sender import BATCH_BYTES, HISTORY_CHUNK_BYTES, SUBSCRIBER_BUDGET, Sender, SenderConfig
 from gradwatch.publisher.trouble import AUTO_ARM_STEPS, DETAIL_EVERY, TroubleCheck, is_detail
 
 MAX_CONSECUTIVE_ERRORS = 10
-STALLED_VIEWER_BUDGET = 32 * 1024 * 1024  # bytes a stalled viewer may cost us in zmq queues
 
 
 @dataclass(kw_only=True, slots=True)
@@ -235,11 +234,11 @@ class Watcher:
                 warn(note)
             ctx = zmq.Context()
             sock = ctx.socket(zmq.XPUB)
-            # SNDHWM counts frames; a frame carries one drain's worth of steps (up to BATCH_BYTES), so
-            # size it for batched frames: a stalled viewer then costs at most ~STALLED_VIEWER_BUDGET.
-            frame = min(BATCH_BYTES, 32 * max(1024, self._probe.n * 4 * 4 + 2048))
-            for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, max(16, min(1000, STALLED_VIEWER_BUDGET // frame))),
-                             (zmq.XPUB_VERBOSE, 1), (zmq.SNDTIMEO, 0), (zmq.MAXMSGSIZE, 4096),
+            # SNDHWM counts frames: size it for the largest frame (a batch or history chunk, or one step of
+            # a big model), so a subscriber that stops reading holds at most ~SUBSCRIBER_BUDGET bytes
+            frame = max(BATCH_BYTES, HISTORY_CHUNK_BYTES, self._probe.n * 4 * 4 + 2048)
+            for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, max(4, min(1000, SUBSCRIBER_BUDGET // frame))),
+                             (zmq.XPUB_VERBOSER, 1), (zmq.SNDTIMEO, 0), (zmq.MAXMSGSIZE, 4096),
                              (zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
                 sock.setsockopt(opt, val)
             try:
