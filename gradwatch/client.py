@@ -21,6 +21,7 @@ from collections import Counter, deque
 from typing import Any, Iterator
 
 from gradwatch import protocol
+from gradwatch.curve import secure_client
 from gradwatch.protocol import DecodeError, Event, Heartbeat, History, Message, Schema, Step
 from gradwatch.transport import RunInfo, TransportError, find_run, list_runs
 
@@ -49,6 +50,8 @@ class Client:
                          (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
             sock.setsockopt(opt, val)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if info.curve:  # a TCP run: its stream is a CURVE server (also when reached through ssh -L)
+            secure_client(sock, info.curve)
         try:
             sock.connect(info.stream)
         except zmq.ZMQError as exc:

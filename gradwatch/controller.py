@@ -24,6 +24,7 @@ from collections import Counter, deque
 from typing import Any
 
 from gradwatch import protocol
+from gradwatch.curve import secure_client
 from gradwatch.protocol import Command, DecodeError, Reply
 from gradwatch.transport import RunInfo, TransportError, find_run
 
@@ -40,7 +41,7 @@ class Controller:
         endpoint = endpoint or info.control
         if not endpoint:
             raise TransportError(f"run {info.name!r} ({info.run}) accepts no commands (read-only: control=False, "
-                                 f"or a TCP run without CURVE)")
+                                 f"or the control socket could not be bound)")
         self.info = info
         self._zmq = zmq
         self._signer = protocol.Signer(info.key)
@@ -52,16 +53,8 @@ class Controller:
                          (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000), (zmq.HEARTBEAT_IVL, 1000),
                          (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
             sock.setsockopt(opt, val)
-        if endpoint.startswith("tcp://"):
-            curve = info.curve
-            if not curve:
-                sock.close(linger=0)
-                self._ctx.destroy(linger=0)
-                raise TransportError(f"{endpoint}: TCP control needs the run's CURVE keys, and its connection "
-                                     f"file has none")
-            sock.setsockopt(zmq.CURVE_SERVERKEY, curve["server_public"].encode())
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve["client_public"].encode())
-            sock.setsockopt(zmq.CURVE_SECRETKEY, curve["client_secret"].encode())
+        if info.curve:  # a TCP run: its control socket is a CURVE server (also when reached through ssh -L)
+            secure_client(sock, info.curve)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:

@@ -141,8 +141,9 @@ def check_endpoint(endpoint: str) -> str | None:
             raise TransportError(f"tcp endpoint needs a port (use :0 for any free port): {endpoint!r}")
         if is_loopback_tcp(endpoint):
             return None
-        return (f"binding {endpoint} exposes this run's telemetry beyond this machine; anyone who can reach "
-                f"it can read it (frames are signed, not encrypted). Prefer ipc:// or tcp://127.0.0.1:0 with ssh -L")
+        return (f"binding {endpoint} exposes this run's sockets beyond this machine: they are CURVE-encrypted and "
+                f"admit only the key in the connection file, but anyone who can reach the port can try to connect. "
+                f"Prefer ipc:// (the default) with ssh -L")
     raise TransportError(f"unsupported endpoint {endpoint!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
 
 

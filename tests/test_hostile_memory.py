@@ -48,8 +48,8 @@ def test_slow_subscribers_and_churn_cost_a_bounded_number_of_bytes(runtime: Path
         info = gradwatch.control(run).info
         time.sleep(4)  # a full history (2,000 steps) to replay to every joiner
         before = _rss_mib(trainer.pid)
-        readers = subprocess.Popen([PY, str(ROOT / "tests" / "_slow_readers.py"), info.stream, "40", "12"],
-                                   stdout=subprocess.PIPE, text=True)
+        readers = subprocess.Popen([PY, str(ROOT / "tests" / "_slow_readers.py"), str(info.path), "40", "12"],
+                                   stdout=subprocess.PIPE, text=True, env=child_env(runtime))
         assert readers.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
         peak = before
         while readers.poll() is None:

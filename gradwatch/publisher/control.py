@@ -7,7 +7,7 @@ viewer session a strictly increasing sequence number and a timestamp within
 (rate-limited) and dropped; it never reaches the pause logic. A peer that keeps sending rejected frames is
 quarantined (its frames dropped unread), and a flood makes the thread read in spaced batches so libzmq
 drops the excess at the high-water mark, outside the GIL (:data:`FLOOD_REJECTS_PER_S`). Over TCP the socket is additionally
-a CURVE server with an allow-list (see :func:`bind_control`).
+a CURVE server with the run's allow-list (:mod:`gradwatch.curve`), like the stream.
 
 This thread owns the socket (zmq sockets are not thread-safe). It never blocks the training
 thread: commands become flags and queued lines that the training thread reads at its safe point,
@@ -279,67 +279,36 @@ class ControlServer(threading.Thread):
 # --------------------------------------------------------------------------- sockets
 
 
-def bind_control(ctx: Any, run_id: str, stream_endpoint: str) -> tuple[Any, str, dict[str, str] | None, Any]:
-    """Bind the control socket next to the stream: ``(socket, endpoint, curve, authenticator)``.
+def bind_control(ctx: Any, run_id: str, stream_endpoint: str, curve: Any = None) -> tuple[Any, str]:
+    """Bind the control socket next to the stream: ``(socket, endpoint)``.
 
     * ipc (the default): a socket file inside the private 0700 runtime directory, 0600. The
-      filesystem keeps other users out (FINDINGS 14); the HMAC keeps everyone else out.
-    * tcp: only with CURVE and a ZAP allow-list that fails closed (FINDINGS 15): the run gets a
-      server keypair and one client keypair, both written to the 0600 connection file; the ZAP
-      handler admits only that client key, and ``ZAP_ENFORCE_DOMAIN`` rejects everyone if the
-      handler is missing. Without CURVE support in libzmq, this raises: the run stays read-only.
+      filesystem keeps other users out (docs/design.md 12); the HMAC keeps everyone else out.
+    * tcp: only as a CURVE server of the run's :class:`~gradwatch.curve.CurveServer` (the same keys
+      and ZAP allow-list as the stream; docs/design.md 12). Without one, this raises: the run stays read-only.
     """
     import zmq
 
-    def opts(sock: Any) -> None:
-        for opt, val in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_COMMAND_BYTES), (zmq.SNDHWM, 1000),
-                         (zmq.RCVHWM, 1000), (zmq.ROUTER_MANDATORY, 0), (zmq.HEARTBEAT_IVL, 1000),
-                         (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
-            sock.setsockopt(opt, val)
-
-    if stream_endpoint.startswith("ipc://"):
-        endpoint, note = transport.ipc_endpoint(run_id, "c")
-        sock = ctx.socket(zmq.ROUTER)
-        opts(sock)
-        try:
+    sock = ctx.socket(zmq.ROUTER)
+    for opt, val in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_COMMAND_BYTES), (zmq.SNDHWM, 1000),
+                     (zmq.RCVHWM, 1000), (zmq.ROUTER_MANDATORY, 0), (zmq.HEARTBEAT_IVL, 1000),
+                     (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
+        sock.setsockopt(opt, val)
+    try:
+        if stream_endpoint.startswith("ipc://"):
+            endpoint, note = transport.ipc_endpoint(run_id, "c")
             sock.bind(endpoint)
             bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             path = transport.endpoint_path(bound)
             if path:
                 os.chmod(path, 0o600)
-        except BaseException:
-            sock.close(linger=0)
-            raise
-        return sock, bound, None, None
-    if not zmq.has("curve"):
-        raise transport.TransportError("this libzmq has no CURVE support; a TCP run is read-only")
-    from zmq.auth.thread import ThreadAuthenticator
-
-    server_public, server_secret = zmq.curve_keypair()
-    client_public, client_secret = zmq.curve_keypair()
-    allowed = {client_public}
-
-    class _AllowList:
-        def callback(self, domain: str, key: bytes) -> bool:
-            return key in allowed
-
-    auth = ThreadAuthenticator(ctx)
-    auth.start()
-    auth.configure_curve_callback("gradwatch", credentials_provider=_AllowList())
-    host = stream_endpoint[len("tcp://"):].rsplit(":", 1)[0]
-    sock = ctx.socket(zmq.ROUTER)
-    opts(sock)
-    try:
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, server_secret)
-        sock.setsockopt(zmq.ZAP_DOMAIN, b"gradwatch")
-        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            return sock, bound
+        if curve is None:
+            raise transport.TransportError("TCP control needs CURVE (this libzmq has none); the run is read-only")
+        curve.secure(sock)
+        host = stream_endpoint[len("tcp://"):].rsplit(":", 1)[0]
         sock.bind(f"tcp://{host}:0")
-        bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     except BaseException:
         sock.close(linger=0)
-        auth.stop()
         raise
-    curve = {"server_public": server_public.decode(), "client_public": client_public.decode(),
-             "client_secret": client_secret.decode()}
-    return sock, bound, curve, auth

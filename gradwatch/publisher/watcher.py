@@ -29,6 +29,7 @@ import torch
 
 from gradwatch import protocol, transport
 from gradwatch._warn import warn
+from gradwatch.curve import CurveServer
 from gradwatch.publisher.probes import ActivationProbe, GradProbe, Parts, data_stats, hyper_of, module_tree, scalar_part
 from gradwatch.publisher.pause import PAUSE_ON_KINDS, PauseControl
 from gradwatch.publisher.sender import BATCH_BYTES, HISTORY_CHUNK_BYTES, SUBSCRIBER_BUDGET, Sender, SenderConfig
@@ -173,7 +174,7 @@ class Watcher:
         self.control_endpoint: str | None = None
         self._ctx: Any = None
         self._control: Any = None  # ControlServer
-        self._auth: Any = None  # zmq ThreadAuthenticator (TCP + CURVE only)
+        self._auth: CurveServer | None = None  # TCP runs only: keys + ZAP allow-list of both sockets
         self._pausectl: PauseControl | None = None
         self._trigger: str | None = None  # a pause_on condition seen at this boundary
         self._nf_episode = False  # the last step was non-finite (pause_on fires once per episode)
@@ -233,6 +234,12 @@ class Watcher:
             if note:
                 warn(note)
             ctx = zmq.Context()
+            try:
+                # a TCP stream is readable by every local user unless it is CURVE (gradwatch/curve.py)
+                self._auth = CurveServer(ctx) if endpoint.startswith("tcp://") else None
+            except BaseException:
+                ctx.destroy(linger=0)
+                raise
             sock = ctx.socket(zmq.XPUB)
             # SNDHWM counts frames: size it for the largest frame (a batch or history chunk, or one step of
             # a big model), so a subscriber that stops reading holds at most ~SUBSCRIBER_BUDGET bytes
@@ -242,15 +249,18 @@ class Watcher:
                              (zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
                 sock.setsockopt(opt, val)
             try:
+                if self._auth is not None:
+                    self._auth.secure(sock)
                 sock.bind(endpoint)
                 bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
                 path = transport.endpoint_path(bound)
                 if path:
                     os.chmod(path, 0o600)
-                control, curve = self._bind_control(ctx, bound) if self.cfg.control else (None, None)
+                control = self._bind_control(ctx, bound) if self.cfg.control else None
                 info = transport.RunInfo(run=self.run_id, name=self.name, host=self._schema.host, pid=self._pid,
                                          started=self._schema.started, stream=bound, key=key, control=control,
-                                         curve=curve, rank=self._schema.rank, world_size=self._schema.world_size,
+                                         curve=self._auth.keys if self._auth is not None else None,
+                                         rank=self._schema.rank, world_size=self._schema.world_size,
                                          pid_start=transport._pid_start(self._pid))
                 self.connection_file = transport.write_connection_file(info)
             except BaseException:
@@ -259,6 +269,7 @@ class Watcher:
                     self._control_sock.close(linger=0)
                 if self._auth is not None:
                     self._auth.stop()
+                    self._auth = None
                 ctx.destroy(linger=0)
                 raise
         except Exception as exc:  # noqa: BLE001 - transport problems must never stop training
@@ -283,19 +294,19 @@ class Watcher:
 
     _control_sock: Any = None
 
-    def _bind_control(self, ctx: Any, stream: str) -> tuple[str | None, dict[str, str] | None]:
+    def _bind_control(self, ctx: Any, stream: str) -> str | None:
         """Bind the command socket; if that is impossible the run is read-only (one warning), never dead."""
         from gradwatch.publisher.control import bind_control
 
         try:
-            sock, endpoint, curve, auth = bind_control(ctx, self.run_id, stream)
+            sock, endpoint = bind_control(ctx, self.run_id, stream, self._auth)
         except Exception as exc:  # noqa: BLE001
             reason = str(exc) if isinstance(exc, transport.TransportError) else f"{type(exc).__name__}: {exc}"
             warn(f"pause/debug control is off for this run ({reason}); telemetry still flows")
-            return None, None
-        self._control_sock, self._auth = sock, auth
+            return None
+        self._control_sock = sock
         self.control_endpoint = endpoint
-        return endpoint, curve
+        return endpoint
 
     def _start_control(self, key: bytes) -> None:
         import dataclasses
@@ -537,6 +548,7 @@ class Watcher:
             if self.sender is not None:
                 self.sender.event("disabled", self._step, reason[:500])
                 self.sender.stop(timeout=0.5)
+            self._stop_auth()
             self._mark_ended("crashed" if self.sender is None else "finished")
         except Exception:  # noqa: BLE001
             pass
@@ -758,14 +770,14 @@ class Watcher:
             self._pausectl.close()  # stops the distributed pause coordinator (a no-op for one process)
         if self._control is not None:
             self._control.stop(timeout=0.5)
-        if self._auth is not None:
-            try:
-                self._auth.stop()
-            except Exception:  # noqa: BLE001
-                pass
-            self._auth = None
         if self.control_endpoint is not None:
             transport.remove_socket(self.control_endpoint)
+
+    def _stop_auth(self) -> None:
+        """Stop the ZAP handler once both sockets are done (new handshakes then fail closed)."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def _mark_ended(self, status: str) -> None:
         if self.connection_file is not None:
@@ -788,6 +800,7 @@ class Watcher:
                 self.sender.stop(final=final, timeout=1.0)
                 if not self.sender.is_alive() and self._ctx is not None:
                     self._ctx.destroy(linger=0)
+            self._stop_auth()
             if self.disabled_reason is None:
                 self._mark_ended("crashed" if crashed else "finished")
         except Exception:  # noqa: BLE001
