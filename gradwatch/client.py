@@ -42,7 +42,9 @@ class Client:
         self.info = info
         self._zmq = zmq
         self._signer = protocol.Signer(info.key)
-        self._ctx = zmq.Context()
+        # the process's shared context: a private one per client would need term(), and a client left to
+        # the cyclic GC would hang it there for ever (its sockets' weakrefs are cleared first): docs/design.md, ZeroMQ 13
+        self._ctx = zmq.Context.instance()
         sock = self._ctx.socket(zmq.SUB)
         # RCVHWM counts frames, and a frame batches ~20 steps: 1,000 frames is ~20,000 steps of backlog
         for opt, val in ((zmq.LINGER, 0), (zmq.RCVHWM, 1000), (zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES),
@@ -56,7 +58,6 @@ class Client:
             sock.connect(info.stream)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            self._ctx.destroy(linger=0)
             raise TransportError(f"cannot connect to {info.stream}: {exc}") from None
         self._sock = sock
         self.schema: Schema | None = None
@@ -178,7 +179,6 @@ class Client:
     def close(self) -> None:
         try:
             self._sock.close(linger=0)
-            self._ctx.destroy(linger=0)
         except Exception:  # noqa: BLE001
             pass
 

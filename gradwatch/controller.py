@@ -47,7 +47,9 @@ class Controller:
         self._signer = protocol.Signer(info.key)
         self.session = secrets.token_hex(8)
         self._seq = 0
-        self._ctx = zmq.Context()
+        # the process's shared context: a private one per client would need term(), and a client left to
+        # the cyclic GC would hang it there for ever (its sockets' weakrefs are cleared first): docs/design.md, ZeroMQ 13
+        self._ctx = zmq.Context.instance()
         sock = self._ctx.socket(zmq.DEALER)
         for opt, val in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES), (zmq.SNDHWM, 100),
                          (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000), (zmq.HEARTBEAT_IVL, 1000),
@@ -59,7 +61,6 @@ class Controller:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            self._ctx.destroy(linger=0)
             raise TransportError(f"cannot connect to {endpoint}: {exc}") from None
         self._sock = sock
         self.endpoint = endpoint
@@ -213,7 +214,6 @@ class Controller:
     def close(self) -> None:
         try:
             self._sock.close(linger=0)
-            self._ctx.destroy(linger=0)
         except Exception:  # noqa: BLE001
             pass
 

@@ -70,7 +70,7 @@ def test_a_flood_is_dropped_unread_and_the_owner_still_gets_answers(runtime: Pat
             ctl.wait_paused(timeout=30)
             # a flood that dodged the quarantine leaves a backlog; it drains at FLOOD_BATCH per FLOOD_BACKOFF_S
             assert ctl.run_line("p 6 * 7", timeout=60).strip() == "42"
-            ctl.resume()
+            ctl.resume(timeout=60)  # the same backlog: this waits its turn too
         client.close()
     finally:
         if flooder is not None:

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from conftest import PY, ROOT, child_env
+from textual.widgets import Input
 
 import gradwatch
-from conftest import PY, ROOT, child_env
 from gradwatch.protocol import Event
 from gradwatch.tui.app import GradwatchApp, make_app
 from gradwatch.tui.screens.confirm import ConfirmScreen
@@ -40,8 +41,13 @@ async def until(pilot: Any, cond: Callable[[], bool], what: str, timeout: float 
 
 
 async def type_line(pilot: Any, text: str) -> None:
-    for ch in text:
-        await pilot.press("space" if ch == " " else ch)
+    """The first key is pressed, the rest of the line filled in: Pilot waits for the app to go idle after
+    every key (~2 s each here while the plots redraw), and real typing is covered in tmux (test_e2e_tmux)."""
+    await pilot.press("space" if text[0] == " " else text[0])
+    if len(text) > 1:
+        box = pilot.app.screen.query_one("#console-input", Input)
+        box.value += text[1:]
+        box.cursor_position = len(box.value)
     await pilot.press("enter")
 
 
