@@ -69,9 +69,8 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # a checkout without pip install
     sys.path.insert(0, str(ROOT))
 
-N_LINEAR = 500  # 500 x Linear(16, 16): 1,000 parameter tensors
+N_LINEAR = 500  # 500 x Linear(16, 16): 1,000 parameter tensors (--params changes it)
 DRAIN_S = 0.02  # the real sender's drain interval
-BATCH_BYTES = 512 * 1024  # the real sender's frame budget for batched steps
 TARGET_LAG_S = 1.0
 TARGET_CPU = 0.5
 TARGET_RSS_MIB = 4.0
@@ -117,6 +116,12 @@ def pct(xs: list[float], q: float) -> float:
 
 
 # =========================================================================== publisher process
+
+
+def set_params(n: int) -> None:
+    """The schema's size: n parameter tensors, as n/2 x Linear(16, 16) (weight and bias)."""
+    global N_LINEAR
+    N_LINEAR = max(1, n // 2)
 
 
 def make_schema(run: str, name: str) -> Any:
@@ -198,11 +203,15 @@ def publisher_main(argv: list[str]) -> int:
     ap.add_argument("--history", type=int, default=2000)
     ap.add_argument("--alert-every", type=int, default=5000)
     ap.add_argument("--wait", type=float, default=60.0)
+    ap.add_argument("--params", type=int, default=2 * N_LINEAR)
     args = ap.parse_args(argv)
+    set_params(args.params)
 
     import socket
 
     import zmq
+
+    from gradwatch.publisher.sender import BATCH_BYTES, HISTORY_CHUNK_BYTES, SUBSCRIBER_BUDGET, SenderConfig
 
     from gradwatch import protocol as P
     from gradwatch import transport
@@ -215,8 +224,8 @@ def publisher_main(argv: list[str]) -> int:
     endpoint, _note = transport.ipc_endpoint(run, "s")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.XPUB)
-    est = max(1024, n * 4 * 4 + 2048)  # the watcher's rule (gradwatch/publisher/watcher.py)
-    for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, max(16, min(1000, 32 * 1024 * 1024 // est))),
+    est = max(BATCH_BYTES, HISTORY_CHUNK_BYTES, n * 4 * 4 + 2048)  # the watcher's rule (publisher/watcher.py)
+    for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, max(4, min(1000, SUBSCRIBER_BUDGET // est))),
                      (zmq.XPUB_VERBOSE, 1), (zmq.SNDTIMEO, 0), (zmq.MAXMSGSIZE, 4096),
                      (zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
         sock.setsockopt(opt, val)
@@ -269,7 +278,9 @@ def publisher_main(argv: list[str]) -> int:
     total = int(round(rate * args.seconds))
     # the history a real trainer replays to a joining viewer: steps 0..hist_n-1, in the recent past
     now_w = time.time()
-    history = [maker.body(i, next_seq(), now_w - (hist_n - i) / rate) for i in range(hist_n)]
+    # the sender keeps the newest steps within history_bytes (32 MiB): with a big schema, far fewer than 2,000
+    keep = max(1, min(hist_n, SenderConfig(run="").history_bytes // len(maker.body(0, 0, now_w))))
+    history = [maker.body(i, next_seq(), now_w - (hist_n - i) / rate) for i in range(hist_n - keep, hist_n)]
 
     deadline = time.monotonic() + args.wait
     while not subscriptions():
@@ -280,8 +291,8 @@ def publisher_main(argv: list[str]) -> int:
     send(P.pack_body(dataclass_replace(schema, seq=next_seq(), ts=time.time())))
     chunk: list[bytes] = []
     size = 0
-    for b in history:  # the sender's _send_history: chunks of at most 1 MiB
-        if chunk and size + len(b) > 1024 * 1024:
+    for b in history:  # the sender's _send_history: chunks of at most HISTORY_CHUNK_BYTES
+        if chunk and size + len(b) > HISTORY_CHUNK_BYTES:
             send(P.history_body(run, next_seq(), time.time(), chunk, []), len(chunk))
             chunk, size = [], 0
         chunk.append(b)
@@ -401,7 +412,7 @@ def viewer_main(argv: list[str]) -> int:
     rec: dict[str, Any] = {"draws": [], "emits": 0, "steps": 0, "live_steps": 0, "dup_steps": 0, "apply_s": 0.0,
                            "max_step": None, "recv_tid": None, "first_live_wall": None, "recv_lag": [],
                            "screen_updates": 0, "screen_s": 0.0, "ansi_s": 0.0, "ansi_bytes": 0,
-                           "timer_update_s": 0.0, "timer_updates": 0,
+                           "timer_update_s": 0.0, "timer_updates": 0, "live_draw_wall": None, "t_start": time.time(),
                            "lock_wait_s": {"ui": 0.0, "receiver": 0.0}, "lock_waits": {"ui": 0, "receiver": 0}}
     breakdown: dict[str, float] = {}
     main_native = threading.get_native_id()
@@ -520,6 +531,8 @@ def viewer_main(argv: list[str]) -> int:
             before = self._seen_version
             self._bench_drew = None
             super()._refresh_view()
+            if rec["live_draw_wall"] is None and self.state.conn is Conn.LIVE:
+                rec["live_draw_wall"] = time.time()  # the header says LIVE
             if self._seen_version != before:
                 step = self.state.last_step
                 d = {"t": time.time(), "step": step, "ts": ts_of.get(step) if step is not None else None,
@@ -754,7 +767,7 @@ def run_rate(rate: float, seconds: float, args: argparse.Namespace, out_dir: Pat
     py = sys.executable
     pub = subprocess.Popen([py, str(Path(__file__).resolve()), "_publisher", "--run", run, "--rate", str(rate),
                             "--seconds", str(seconds), "--history", str(args.history),
-                            "--alert-every", str(args.alert_every)],
+                            "--alert-every", str(args.alert_every), "--params", str(2 * N_LINEAR)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     events: dict[str, dict[str, Any]] = {}
     got = threading.Event()
@@ -929,6 +942,8 @@ def analyse(rate: float, seconds: float, start: dict[str, Any], end: dict[str, A
         "cpu_series": [(round(s[0] - t0, 2), round(s[1], 2)) for s in samples[::4]],
         "load_1min": [min(load, default=math.nan), max(load, default=math.nan)],
         "viewer_startup_s": (v["first_live_wall"] - t_spawn) if v.get("first_live_wall") else None,
+        "time_to_live_s": (v["live_draw_wall"] - t_spawn) if v.get("live_draw_wall") else None,
+        "viewer_import_s": v["t_start"] - t_spawn,
         "profiled": bool(profile), "profile": v.get("profile"), "variant": v.get("variant", "app"),
         "breakdown_core": v.get("breakdown_core"), "lock_wait_core": v.get("lock_wait_core"),
     }
@@ -966,6 +981,9 @@ def print_details(r: dict[str, Any]) -> None:
           f"{r['receiver']['apply_s_total']:.1f} s in {r['receiver']['emits']} emits; lag to draw p50 {r['lag_draw_s']['p50']:.3f} s, to receive p50 {r['lag_receive_s']['p50']:.3f} s "
           f"(p95 {r['lag_receive_s']['p95']:.3f}); max staleness {r['max_staleness_s']:.2f} s; "
           f"last screen update {r['last_draw_after_end_s']:.2f} s after the publisher's end")
+    ttl, imp = r.get("time_to_live_s"), r.get("viewer_import_s")
+    print(f"    time to LIVE in the header: {ttl:.2f} s from spawn (imports {imp:.2f} s); first live step received "
+          f"{r['viewer_startup_s'] or math.nan:.2f} s" if ttl is not None else "    never LIVE")
     rs = r["rss_mib"]
     print(f"    RSS MiB: at publishing start {rs['start']:.1f}, settled (+{min(5.0, r['seconds'] / 4):g} s) {rs['settled']:.1f}, "
           f"mid {rs['mid']:.1f}, end {rs['end']:.1f}, max {rs['max']:.1f}; second-half slope "
@@ -999,7 +1017,7 @@ def main() -> int:
     ap.add_argument("--size", default="160x50")
     ap.add_argument("--no-ansi", action="store_true", help="do not render screen updates to ANSI text")
     ap.add_argument("--profile", type=float, default=0.0, metavar="S",
-                    help="after the timed rates, one more 1,000 steps/s run with cProfile on for S seconds")
+                    help="after the timed rates, one more run at the first rate with cProfile on for S seconds")
     ap.add_argument("--trainer-probe", action=argparse.BooleanOptionalAction, default=True,
                     help="measure the real gradwatch.watch() step rate with 1,000 tensors (default on)")
     ap.add_argument("--variants", default="app",
@@ -1007,8 +1025,11 @@ def main() -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="time the UI's parts (model, table cells, DataTable, plotext) with wrappers (~1-2 %% overhead)")
     ap.add_argument("--keep-raw", action="store_true")
+    ap.add_argument("--params", type=int, default=2 * N_LINEAR,
+                    help="parameter tensors in the schema (default 1,000; the protocol allows 200,000)")
     ap.add_argument("--out", default=str(HERE / "results" / "viewer.json"))
     args = ap.parse_args()
+    set_params(args.params)
     if args.quick:
         args.rates, args.seconds = "1000", 10.0
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
@@ -1049,7 +1070,7 @@ def main() -> int:
             print(f"  {int(rate):,} steps/s{'' if variant == 'app' else f' [{variant}]'} done in {time.time() - t:.0f} s",
                   flush=True)
     if args.profile:
-        r = run_rate(1000.0, max(args.seconds, args.profile + 4), args, out.parent, profile=args.profile)
+        r = run_rate(rates[0] if rates else 1000.0, max(args.seconds, args.profile + 4), args, out.parent, profile=args.profile)
         results.append(r)
     print()
     print("| steps/s (achieved) | lag to screen p50 / p95 / max (s) | viewer CPU, cores: 5 s median / overall | "
@@ -1063,7 +1084,7 @@ def main() -> int:
     for r in results:
         if r["profile"]:
             for name, prof in r["profile"].items():
-                print(f"\ncProfile, {name} thread, {args.profile:g} s at 1,000 steps/s, by own time:")
+                print(f"\ncProfile, {name} thread, {args.profile:g} s at {rates[0] if rates else 1000:g} steps/s, by own time:")
                 print("\n".join(prof["tottime"].splitlines()[:45]))
                 print(f"\ncProfile, {name} thread, by cumulative time:")
                 print("\n".join(prof["cumulative"].splitlines()[:45]))

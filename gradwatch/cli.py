@@ -175,8 +175,9 @@ def _run_viewer(app: Any) -> int:
     rec = getattr(app, "recording", None)
     if rec is not None:
         rec.close()
-        if rec.display and not rec.error:
-            print(f"gradwatch: this session was recorded to {rec.display}", file=sys.stderr)
+        line = rec.farewell()
+        if line:
+            print(f"gradwatch: {line}", file=sys.stderr)
     return 0
 
 
@@ -190,7 +191,7 @@ def cmd_view(args: argparse.Namespace) -> int:
     from gradwatch.tui.sources import LiveSource
 
     _need_terminal()
-    recorder = None if args.no_record else SessionRecorder()
+    recorder = None if args.no_record else SessionRecorder(max_bytes=args.record_max)
     spec = getattr(args, "run", None)
     endpoint = getattr(args, "connect", None)
     if getattr(args, "control", None):
@@ -251,6 +252,8 @@ def _viewer_flags(parser: argparse.ArgumentParser) -> None:
     """The options every viewer command takes (the bare `gradwatch` and `gradwatch attach`)."""
     parser.add_argument("--read-only", action="store_true", help="never send anything to the trainer")
     parser.add_argument("--no-record", action="store_true", help="do not record this session")
+    parser.add_argument("--record-max", type=_size, default="1G", metavar="SIZE",
+                        help="cap on each run's recording, rotated in 4 parts, oldest dropped (default 1G; 0: no cap)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,6 +312,15 @@ def _positive_int(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {s!r}")
     return v
+
+
+def _size(s: str) -> int:
+    from gradwatch.tui.recording import parse_size
+
+    try:
+        return parse_size(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_float(s: str) -> float:

@@ -293,6 +293,11 @@ class Recorder:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def pending(self) -> int:
+        """Bytes buffered, not yet handed to the OS (``bytes + pending`` is the file's size to be)."""
+        return len(self._buf)
+
     def close(self) -> None:
         """Flush and close the file. Safe to call twice; never raises."""
         with self._lock:

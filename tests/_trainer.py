@@ -25,14 +25,33 @@ p.add_argument("--debug-in", default="viewer")
 p.add_argument("--loader-workers", type=int, default=0, help="draw batches from a DataLoader with N workers")
 p.add_argument("--evil-name", action="store_true", help="a module named with terminal escapes (title, clipboard)")
 p.add_argument("--layers", type=int, default=0, help="N more Linear(64, 64) layers: a schema of 2N+4 parameters")
+p.add_argument("--tensors", type=int, default=0,
+               help="N more scalar parameters in banks of 100 (bank.K.w.J): a big schema at a small cost per step")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(),
                             *[torch.nn.Linear(64, 64) for _ in range(args.layers)], torch.nn.Linear(64, 1))
+if args.tensors:  # the viewer's big-model case: 100,000 tensors without 100,000 modules to run
+    class _Bank(torch.nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(())) for _ in range(n))
+
+    class _Wide(torch.nn.Module):
+        def __init__(self, net: torch.nn.Module, n: int) -> None:
+            super().__init__()
+            self.net = net
+            self.bank = torch.nn.ModuleList(_Bank(min(100, n - k)) for k in range(0, n, 100))
+            self._flat = list(self.bank.parameters())  # walking 100,000 parameters costs 0.3 s a step
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # every bank tensor gets a gradient, in one op
+            return self.net(x) + 1e-3 * torch.stack(self._flat).square().sum()
+
+    model = _Wide(model, args.tensors)
 if args.evil_name:  # OSC 2 (window title) and OSC 52 (clipboard write): must never reach a terminal raw
     model.add_module("fc\x1b]2;PWNED\x07\x1b]52;c;cHduZWQ=\x07", torch.nn.Identity())
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
+opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=bool(args.tensors) or None)
 gw = gradwatch.watch(model, opt, name=args.name, endpoint=args.endpoint, max_pause=args.max_pause,
                      control=not args.no_control, debug_in=args.debug_in)
 if args.fault == "sign":

@@ -468,3 +468,41 @@ def test_state_imports_no_ui_and_no_torch() -> None:
     mods = set(out.stdout.split())
     for name in ("torch", "textual", "rich", "plotext", "zmq"):
         assert name not in mods, name
+
+
+_REFERENCE_KEYS = {
+    "anomaly": lambda r: -r.score,
+    "name": lambda r: r.name.casefold(),
+    "grad": lambda r: -(math.inf if math.isnan(r.grad_norm) else r.grad_norm),
+    "nonfinite": lambda r: (r.nonfinite == 0, -r.nonfinite_total, -r.score),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_limited_table_is_the_head_of_the_full_order(seed: int) -> None:
+    """table(limit=k) is exactly rows()[:k] for every sort, grouping and filter, ties included (quantised
+    norms make many), and `matched` counts the rows the filter let through, not the ones built."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(50, 400))
+    params = tuple(ParamInfo(f"blk{i % 7}.m{i // 3}.{'wb'[i % 2]}", (4,), "float32", 4, 1 + i // 3) for i in range(n))
+    mods = (ModuleInfo("", "M", -1), *(ModuleInfo(f"m{j}", "L", 0) for j in range((n + 2) // 3)))
+    st = RunState(capacity=64)
+    st.apply(Schema(run="t", name="t", params=params, modules=mods), 0.0)
+    for k in range(int(rng.integers(5, 40))):
+        g = np.round(rng.lognormal(0, 1, n), 1).astype(np.float32)  # coarse: many equal norms
+        if k % 9 == 4:
+            g[rng.integers(0, n)] = np.nan
+        nf = {int(rng.integers(0, n)): 2} if k % 11 == 3 else {}
+        st.apply(Step(run="t", step=k, seq=k, ts=0.0, loss=1.0, total=1.0, grad_norm=array("f", g.tobytes()),
+                      grad_max=None, nonfinite=nf), 0.0)
+    for by_module in (False, True):
+        for pattern in (None, r"blk[13]\.", "nomatch"):
+            for sort in ("anomaly", "name", "grad", "nonfinite"):
+                full = st.rows(sort=sort, by_module=by_module, pattern=pattern)
+                ref = sorted(sorted(full, key=lambda r: r.index), key=_REFERENCE_KEYS[sort])  # Python's stable sort
+                assert [r.index for r in full] == [r.index for r in ref], (sort, by_module, pattern)
+                for limit in (0, 1, 7, len(full), len(full) + 5):
+                    head, matched = st.table(sort=sort, by_module=by_module, pattern=pattern, limit=limit)
+                    assert matched == len(full)
+                    assert [(r.index, r.name) for r in head] == [(r.index, r.name) for r in full[:limit]], \
+                        (sort, by_module, pattern, limit)

@@ -25,9 +25,10 @@ from gradwatch.tui.pause import PauseActions
 from gradwatch.tui.screens.help import HelpScreen
 from gradwatch.tui.screens.picker import PickerScreen
 from gradwatch.tui.sources import Source
+from gradwatch.tui.malloc import release_big_buffers
 from gradwatch.tui.state import Conn, RunState
 from gradwatch.tui.widgets.alerts import AlertPane
-from gradwatch.tui.widgets.heat_table import HeatTable
+from gradwatch.tui.widgets.heat_table import MAX_ROWS, HeatTable
 from gradwatch.tui.widgets.plots import SeriesPlot
 from gradwatch.tui.widgets.status import StatusBar, status_text
 
@@ -100,6 +101,7 @@ class GradwatchApp(PauseActions, App[None]):
                  refresh_hz: float = 8.0, capacity: int = 2000, clock: Callable[[], float] = time.monotonic,
                  recording: Any = None, control_endpoint: str | None = None) -> None:
         super().__init__()
+        release_big_buffers()  # a viewer process: give big freed arrays back to the OS (docs/design.md)
         self.state = RunState(capacity=capacity)
         self._lock = threading.RLock()
         self._source_factory = source_factory
@@ -248,9 +250,9 @@ class GradwatchApp(PauseActions, App[None]):
                     self._draw_plots(plots)
                     self._next_plots = start + PLOT_INTERVAL_S * max(1.0, (self._cpu_share or 0.0) / UI_CPU_BUDGET)
                 if table is not None:
-                    rows, heats = table
+                    rows, heats, matched = table
                     self._table_stale = self.query_one("#table", HeatTable).show(
-                        rows, heats.get, keep=self.selected_layer, force=force)
+                        rows, heats.get, keep=self.selected_layer, force=force, matched=matched)
                 self.query_one("#alerts", AlertPane).show(alerts)
                 self.query_one("#alerts-title", Static).update(
                     f"alerts ({len(alerts)}" + (f", {hidden} silenced: u shows them" if hidden else "") + ")")
@@ -280,7 +282,7 @@ class GradwatchApp(PauseActions, App[None]):
                     step=st.last_step, steps_per_s=st.steps_per_s, dropped=dropped, rejected=rejected,
                     frozen=self.frozen, paused=st.paused, paused_step=st.paused_step,
                     paused_for=st.paused_for(self._clock()), reason=st.conn_reason,
-                    recording=getattr(self.recording, "display", None))
+                    recording=getattr(self.recording, "summary", None))
 
     def _plot_data(self) -> dict[str, Any]:
         st = self.state
@@ -292,15 +294,16 @@ class GradwatchApp(PauseActions, App[None]):
             data["total"] = st.layer_series(self.selected_layer, module=self.by_module)
         return data
 
-    def _table_data(self) -> tuple[list[Any], dict[int, Any]] | None:
+    def _table_data(self) -> tuple[list[Any], dict[int, Any], int] | None:
         st = self.state
         if st.schema is None:
             return None
-        rows = st.rows(sort=self.sort_key, pattern=self.pattern or None, by_module=self.by_module)
+        rows, matched = st.table(sort=self.sort_key, pattern=self.pattern or None, by_module=self.by_module,
+                                 limit=MAX_ROWS)
         table = self.query_one("#table", HeatTable)
         lo, hi = table.visible_window()
         wanted = rows[:hi - lo + 2] + rows[lo:hi]  # the first screen (for a re-sort) and what is on screen
-        return rows, {r.index: st.heat(r.index, HEAT_WIDTH, module=self.by_module) for r in wanted}
+        return rows, {r.index: st.heat(r.index, HEAT_WIDTH, module=self.by_module) for r in wanted}, matched
 
     def _draw_plots(self, data: dict[str, Any]) -> None:
         log = self.log_scale

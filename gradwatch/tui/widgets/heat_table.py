@@ -16,6 +16,7 @@ import numpy as np
 from rich.style import Style
 from rich.text import Text
 from textual.widgets import DataTable
+from textual.widgets.data_table import ColumnKey
 
 from gradwatch.text import num
 
@@ -23,6 +24,11 @@ COLUMNS = (("name", "layer", 30), ("grad", "grad norm", 10), ("heat", "recent st
            ("weight", "weight norm", 11), ("update", "update ratio", 12), ("nf", "non-finite", 10))
 #: Rows re-sorted at most this often (unless the user asks): a full rebuild of 1,000 rows is expensive.
 RESORT_S = 2.0
+#: Rows shown at most: the head of the current order (the most anomalous first by default). A model with
+#: 100,000 tensors would otherwise cost a DataTable of 100,000 rows; the rest is reached by filtering (/)
+#: or grouping by module (m), and the header of the name column says how many are left out. A screen shows
+#: ~30; 200 rows rebuild (every RESORT_S) in ~40 ms.
+MAX_ROWS = 200
 
 
 def _palette() -> list[Style]:
@@ -85,7 +91,7 @@ class HeatTable(DataTable[Any]):
         return max(0, top - 2), top + height + 2
 
     def show(self, rows: Sequence[Any], heat: Callable[[int], np.ndarray], keep: int | None = None,
-             force: bool = False) -> bool:
+             force: bool = False, matched: int | None = None) -> bool:
         """Show ``rows``. The order is re-applied (a rebuild) when the row set changes, when ``force``
         (the user changed sort, filter or grouping) or at most every RESORT_S; otherwise only the cells
         of the rows on screen are updated in place, so a frame costs the same for 20 or 2,000 layers.
@@ -96,6 +102,7 @@ class HeatTable(DataTable[Any]):
         even if no data arrives).
         """
         now = time.monotonic()
+        self._label(len(rows), len(rows) if matched is None else matched)
         by_key = {str(r.index): r for r in rows}
         order = list(by_key)
         same_set = len(order) == len(self._order) and set(order) == set(self._order)
@@ -120,6 +127,21 @@ class HeatTable(DataTable[Any]):
             for (col, _, _), value in zip(COLUMNS, self._cells(row, heat(row.index))):
                 self.update_cell(key, col, value)
         return order != self._order
+
+    def _label(self, shown: int, matched: int) -> None:
+        """The name column's header: "layer", or "layer: top 200 of 100,000" when rows are left out."""
+        text = COLUMNS[0][1] if matched <= shown else f"{COLUMNS[0][1]}: top {shown:,} of {matched:,}"
+        column = self.columns.get(ColumnKey(COLUMNS[0][0]))
+        if column is not None and column.label.plain != text:
+            column.label = Text(text, no_wrap=True, overflow="ellipsis")
+            self._clear_caches()
+            self.refresh()
+
+    @property
+    def heading(self) -> str:
+        """The name column's header as shown (tests and the app's notes read it)."""
+        column = self.columns.get(ColumnKey(COLUMNS[0][0]))
+        return column.label.plain if column is not None else ""
 
     def _selected_key(self) -> str | None:
         if not self._order or self.cursor_row < 0 or self.cursor_row >= len(self._order):

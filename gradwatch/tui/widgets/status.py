@@ -42,7 +42,7 @@ def status_text(*, conn: str, name: str | None, run: str | None, host: str | Non
     if reason and conn in ("LOST", "STALE", "CRASHED"):
         t.append(f"  {clean(reason, 60)}", style="dim")
     if recording:
-        t.append(f"  rec {clean(recording, 60)}", style="dim")
+        t.append(f"  rec {clean(recording, 100)}", style="dim")
     return t
 
 
