@@ -36,11 +36,11 @@ def _age(seconds: float) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from gradwatch.transport import list_runs
+    from gradwatch.transport import list_runs, where_looked
 
-    runs, problems = list_runs()
-    if not args.all:
-        runs = [r for r in runs if r.state == "live" or time.time() - (r.ended or r.started) < 24 * 3600]
+    found, problems = list_runs()
+    runs = found if args.all else [r for r in found if r.state == "live"
+                                   or time.time() - (r.ended or r.started) < 24 * 3600]
     for p in problems:
         print(f"gradwatch: skipped {clean(p, 300)}", file=sys.stderr)
     if args.json:
@@ -50,7 +50,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          indent=1))
         return 0
     if not runs:
-        print("no gradwatch runs; start one with gradwatch.watch(model, optimizer) in a training script",
+        older = f" in the last day ({len(found)} older: --all)" if found else ""
+        print(f"no gradwatch runs{older} (looked in {where_looked()}); start one with gradwatch.watch(model, "
+              f"optimizer) in a training script, or set GRADWATCH_RUNTIME_DIR to where the trainer writes",
               file=sys.stderr)
         return 0
     now = time.time()
@@ -227,6 +229,30 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return _run_viewer(make_app(lambda: ReplaySource(args.file, speed=args.speed, follow=args.follow), read_only=True))
 
 
+def cmd_ssh(args: argparse.Namespace) -> int:
+    """``gradwatch ssh HOST [RUN]``: the viewer here, the run there, through your own ssh."""
+    import shlex
+
+    from gradwatch.remote import Remote
+    from gradwatch.tui.app import make_app
+    from gradwatch.tui.recording import SessionRecorder
+    from gradwatch.tui.remote_source import RemoteSource
+
+    _need_terminal()
+    try:
+        ssh_args = shlex.split(args.ssh_args or "")
+    except ValueError as exc:
+        raise SystemExit(f"gradwatch: error: --ssh-args: {exc}") from None
+    with Remote(args.host, ssh_args=ssh_args, runtime_dir=args.runtime_dir) as remote:
+        print(f"gradwatch: connecting to {args.host} with ssh...", file=sys.stderr)
+        remote.connect()
+        remote.runs()  # the first listing, so that a broken remote says so before the viewer starts
+        recorder = None if args.no_record else SessionRecorder(max_bytes=args.record_max)
+        app = make_app(lambda: RemoteSource(remote, args.run, record=recorder), read_only=args.read_only,
+                       recording=recorder)
+        return _run_viewer(app)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from gradwatch.tui.app import make_app
     from gradwatch.tui.sources import SyntheticSource
@@ -279,6 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="send pause/debug commands to this endpoint (the run's control socket, forwarded)")
     attach.add_argument("--wait", action="store_true", help="wait for the run to appear instead of failing")
     _viewer_flags(attach)
+    ssh = sub.add_parser("ssh", help="the viewer here on a run on another machine, through your own ssh",
+                         description="Connect to HOST with ssh (your ~/.ssh/config, keys and agent; any prompt comes "
+                                     "first), find the run there, forward its sockets and open the viewer; when the "
+                                     "run restarts, its successor is found and forwarded again. Nothing but sh is "
+                                     "needed on HOST's side for the connection; the trainer runs gradwatch.watch().",
+                         epilog="examples:\n  gradwatch ssh gpu-box\n  gradwatch ssh me@gpu-box train-llm\n"
+                                "  gradwatch ssh gpu-box --ssh-args '-p 2222 -J bastion'",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    ssh.add_argument("host", help="what you would give ssh: a host, user@host or a ~/.ssh/config alias")
+    ssh.add_argument("run", nargs="?", help="run id, name or pid on HOST (default: its newest live run)")
+    ssh.add_argument("--ssh-args", metavar="ARGS", help="more arguments for ssh, as one string (e.g. '-p 2222')")
+    ssh.add_argument("--runtime-dir", metavar="DIR",
+                     help="HOST's GRADWATCH_RUNTIME_DIR, if the trainer sets one (default: its usual directories)")
+    _viewer_flags(ssh)
     debug = sub.add_parser("debug", help="pause a run at its next safe point and open its pdb here")
     debug.add_argument("run", nargs="?", help="run id, name, pid or connection file (default: newest live run)")
     debug.add_argument("--no-pause", action="store_true",
@@ -352,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     commands = {"ls": cmd_ls, "tail": cmd_tail, "export": cmd_export, "replay": cmd_replay, "demo": cmd_demo,
-                "debug": cmd_debug, "attach": cmd_view, None: cmd_view}
+                "debug": cmd_debug, "attach": cmd_view, "ssh": cmd_ssh, None: cmd_view}
     return commands[args.command](args)
 
 

@@ -8,7 +8,9 @@ other local users; an ``ipc://`` socket inside a 0700 directory is not. So every
 * ``<runtime>/sock/<run>.s`` -- the stream socket (a short-path fallback keeps ipc paths <= 107 bytes).
 
 The runtime directory is ``$GRADWATCH_RUNTIME_DIR`` if set, else ``$XDG_RUNTIME_DIR/gradwatch``,
-else ``$XDG_CACHE_HOME/gradwatch/run`` (``~/.cache``), always 0700 and owned by us.
+else ``$XDG_CACHE_HOME/gradwatch/run`` (``~/.cache``), always 0700 and owned by us. Discovery reads
+all of these that exist (:func:`search_dirs`): a trainer under nohup or Slurm has no
+``XDG_RUNTIME_DIR``, the viewer in an SSH login has one, and both must meet.
 
 This module imports no zmq at import time and no torch at all.
 """
@@ -85,6 +87,41 @@ def runtime_dir() -> Path:
 
 def runs_dir(base: Path | None = None) -> Path:
     return _ensure_private_dir((base or runtime_dir()) / "runs")
+
+
+def search_dirs() -> list[Path]:
+    """Every runtime directory a process of this uid may have chosen, the one :func:`runtime_dir` picks here
+    first: a trainer started by nohup, cron or Slurm has no ``XDG_RUNTIME_DIR`` and writes under
+    ``~/.cache``, while the viewer in an SSH login has it set. ``$GRADWATCH_RUNTIME_DIR``, when set, is
+    the only place (it is an explicit choice, and what keeps tests apart). Nothing is created here."""
+    env = os.environ.get("GRADWATCH_RUNTIME_DIR")
+    if env:
+        return [Path(env)]
+    out: list[Path] = []
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for p in (xdg and Path(xdg) / "gradwatch", Path(f"/run/user/{_uid()}") / "gradwatch",
+              Path(cache) / "gradwatch" / "run", Path(os.path.expanduser("~")) / ".cache" / "gradwatch" / "run"):
+        if p and p not in out:
+            out.append(p)
+    return out
+
+
+def _ours(path: Path) -> bool:
+    """A private directory of ours (what :func:`_ensure_private_dir` would accept), checked, not created."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == _uid() and not st.st_mode & 0o077
+
+
+def where_looked() -> str:
+    """The directories discovery reads, for "no runs" messages: ``/run/user/1000/gradwatch, ~/.cache/...``."""
+    home = os.path.expanduser("~")
+    shown = ["~" + str(p / "runs")[len(home):] if str(p).startswith(home.rstrip(os.sep) + os.sep) else str(p / "runs")
+             for p in search_dirs()]
+    return ", ".join(shown)
 
 
 def _short_socket_dir() -> tuple[Path, str]:
@@ -344,14 +381,37 @@ def remove_socket(endpoint: str | None) -> None:
 def list_runs(base: Path | None = None, *, prune: bool = True) -> tuple[list[RunInfo], list[str]]:
     """All runs with a connection file, newest first, and one-line problems with unreadable files.
 
-    Ended runs older than a week are pruned (file and socket) when ``prune`` is set.
+    ``base``: that runtime directory only; else every directory of :func:`search_dirs` that exists and
+    is ours (the one this process would write to is created, as before). Ended runs older than a week are
+    pruned (file and socket) when ``prune`` is set.
     """
-    try:
-        d = runs_dir(base)
-    except TransportError as exc:
-        return [], [str(exc)]
+    if base is not None:
+        dirs = [base]
+    else:
+        try:
+            dirs = [runtime_dir()]
+        except TransportError as exc:
+            dirs, first = [], str(exc)
+        else:
+            first = ""
+        dirs += [d for d in search_dirs() if d.resolve() not in {x.resolve() for x in dirs} and _ours(d / "runs")]
+        if not dirs:
+            return [], [first]
     runs: list[RunInfo] = []
     problems: list[str] = []
+    seen: set[str] = set()
+    for base_dir in dirs:
+        try:
+            d = runs_dir(base_dir)
+        except TransportError as exc:
+            problems.append(str(exc))
+            continue
+        _scan(d, runs, problems, seen, prune)
+    runs.sort(key=lambda r: r.started, reverse=True)
+    return runs, problems
+
+
+def _scan(d: Path, runs: list[RunInfo], problems: list[str], seen: set[str], prune: bool) -> None:
     now = time.time()
     for p in sorted(d.glob("*.json")):
         try:
@@ -373,9 +433,9 @@ def list_runs(base: Path | None = None, *, prune: bool = True) -> tuple[list[Run
             except OSError:
                 pass
             continue
-        runs.append(info)
-    runs.sort(key=lambda r: r.started, reverse=True)
-    return runs, problems
+        if info.run not in seen:
+            seen.add(info.run)
+            runs.append(info)
 
 
 #: An unreadable connection file older than this (an empty one left by a crash or a full disk) is removed.
@@ -390,22 +450,26 @@ def _stale_and_ours(path: Path, now: float) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == _uid() and now - st.st_mtime > UNREADABLE_GRACE_S
 
 
-def find_run(spec: str | None, base: Path | None = None) -> RunInfo:
+def find_run(spec: str | None, base: Path | None = None, *, runs: list[RunInfo] | None = None,
+             where: str | None = None) -> RunInfo:
     """Resolve what a user typed: a run id (or prefix), a name, a pid, a connection file, or an endpoint.
 
     With no ``spec``: the only live run, or the newest live one if there are several. Raises
     :class:`TransportError` with a one-line message when nothing (or nothing unique) matches.
+    ``runs`` (newest first) replaces this machine's runs, ``where`` says where they came from (a remote).
     """
-    if spec is not None and (spec.endswith(".json") or os.sep in spec) and "://" not in spec:
+    if runs is None and spec is not None and (spec.endswith(".json") or os.sep in spec) and "://" not in spec:
         return read_connection_file(spec)
-    runs, _problems = list_runs(base)
+    if runs is None:
+        runs, _problems = list_runs(base)
     if spec is None:
         live = [r for r in runs if r.state == "live"]
         if not live:
             if runs:
                 raise TransportError(f"no live run (the newest, {runs[0].name!r}, {runs[0].state}); "
                                      f"see `gradwatch ls` and pass one explicitly")
-            raise TransportError("no gradwatch runs found; start a training script with gradwatch.watch(...)")
+            raise TransportError(f"no gradwatch runs found (looked in {where or where_looked()}); start a training "
+                                 f"script with gradwatch.watch(...), or set GRADWATCH_RUNTIME_DIR to where it writes")
         return _lowest_rank(live)
     if "://" in spec:
         matches = [r for r in runs if r.stream == spec or r.control == spec]

@@ -19,4 +19,10 @@ if ! command -v tmux >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ 
   (apt-get install -y -q tmux >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q tmux >/dev/null 2>&1; }) \
     || echo "gradwatch: could not install tmux; its end-to-end test will be skipped" >&2
 fi
+# a real sshd on 127.0.0.1 drives the tests of `gradwatch ssh` (the tests start it themselves, on a free port)
+if [ ! -x /usr/sbin/sshd ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server >/dev/null 2>&1; }) \
+    || echo "gradwatch: could not install openssh-server; the tests of gradwatch ssh will be skipped" >&2
+fi
 export PATH="$venv/bin:$PATH"

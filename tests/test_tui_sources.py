@@ -281,7 +281,7 @@ def test_replay_source_replays_everything_then_finishes(tmp_path: Path) -> None:
     run.sink.wait(lambda: run.sink.state.conn is Conn.FINISHED and run.sink.conns[-1][0] == "FINISHED", 10, "end")
     run.stop()
     assert _bodies(run.sink.messages()) == _bodies(msgs)
-    assert run.sink.conns[0][0] == "LIVE" and "end of recording" in run.sink.conns[-1][1]
+    assert run.sink.conns[0][0] == "REPLAY" and "end of recording" in run.sink.conns[-1][1]
     assert {a.kind for a in run.sink.state.alerts} >= {"nonfinite_loss", "nonfinite_grad"}
     assert run.sink.calls[-1][1]["received"] == len(msgs)
 

@@ -30,6 +30,7 @@ import torch
 from gradwatch import protocol, transport
 from gradwatch._warn import warn
 from gradwatch.curve import CurveServer
+from gradwatch.publisher.null import NullWatcher  # noqa: F401 - re-exported: it used to live here
 from gradwatch.publisher.probes import ActivationProbe, GradProbe, Parts, data_stats, hyper_of, module_tree, scalar_part
 from gradwatch.publisher.pause import PAUSE_ON_KINDS, PauseControl
 from gradwatch.publisher.sender import BATCH_BYTES, HISTORY_CHUNK_BYTES, SUBSCRIBER_BUDGET, Sender, SenderConfig
@@ -845,46 +846,3 @@ def _with_seq(schema: protocol.Schema, seq: int, ts: float) -> protocol.Schema:
     import dataclasses
 
     return dataclasses.replace(schema, seq=seq, ts=ts)
-
-
-class NullWatcher:
-    """What ``watch()`` returns when gradwatch is disabled: the same API, doing nothing."""
-
-    enabled = False
-    disabled_reason = "GRADWATCH_DISABLE is set"
-    connection_file = None
-    endpoint = None
-    step_count = 0
-
-    def step(self, loss: Any = None, *, inputs: Any = None, targets: Any = None) -> None:
-        pass
-
-    def log(self, **scalars: Any) -> None:
-        pass
-
-    def activations(self, every: int) -> None:
-        pass
-
-    def arm_activations(self, steps: int = 1) -> None:
-        pass
-
-    def top_layers(self, n: int = 10) -> list[tuple[str, float]]:
-        return []
-
-    def nonfinite(self) -> list[tuple[str, str, int]]:
-        return []
-
-    def skip_step(self) -> str:
-        return "gradwatch is disabled"
-
-    def set_lr(self, lr: float) -> str:
-        return "gradwatch is disabled"
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> NullWatcher:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass

@@ -40,6 +40,8 @@ FRAME_BUDGET = 0.35
 UI_CPU_BUDGET = 0.4
 #: Plots are redrawn at most this often (plotext is the most expensive part of a frame: ~20 ms a plot).
 PLOT_INTERVAL_S = 0.5
+#: Actions that act on a trainer: hidden for a replay or the synthetic demo.
+TRAINER_ACTIONS = frozenset({"pause_trainer", "debugger", "resume_trainer", "toggle_pause_on", "arm_activations"})
 
 WAITING_TEXT = (
     "No run to show yet: this screen attaches as soon as one starts.\n\n"
@@ -173,6 +175,7 @@ class GradwatchApp(PauseActions, App[None]):
         if self._source_factory is None:
             return
         self._source = self._source_factory()
+        self.refresh_bindings()  # the footer shows trainer actions only for a live source (check_action)
         self._receive(self._source)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="receiver")
@@ -282,7 +285,18 @@ class GradwatchApp(PauseActions, App[None]):
                     step=st.last_step, steps_per_s=st.steps_per_s, dropped=dropped, rejected=rejected,
                     frozen=self.frozen, paused=st.paused, paused_step=st.paused_step,
                     paused_for=st.paused_for(self._clock()), reason=st.conn_reason,
-                    recording=getattr(self.recording, "summary", None))
+                    recording=getattr(self.recording, "summary", None), replay=self.source_kind == "replay")
+
+    @property
+    def source_kind(self) -> str:
+        """"live", "replay" or "synthetic": only a live source has a trainer behind it to act on."""
+        return getattr(self._source, "kind", "live") if self._source is not None else "live"
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Trainer actions are hidden (footer, palette, keys) where no trainer is behind the data."""
+        if action in TRAINER_ACTIONS and self.source_kind != "live":
+            return False
+        return True
 
     def _plot_data(self) -> dict[str, Any]:
         st = self.state

@@ -22,12 +22,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+import os
 import queue
 import threading
 import time
 from typing import Any, Callable
 
-from gradwatch.protocol import Message, Schema
+from gradwatch.protocol import Event, Message, Schema
 from gradwatch.text import clean
 from gradwatch.transport import RunInfo, TransportError, find_run, list_runs, read_connection_file
 
@@ -123,6 +124,8 @@ class Source(abc.ABC):
     """Where the viewer's messages come from. Subclasses implement :meth:`run`."""
 
     label: str = "source"
+    #: "live" (a trainer is behind it: it can be paused), "replay" or "synthetic" (nothing to act on).
+    kind: str = "live"
 
     @abc.abstractmethod
     def run(self, emit: Emit, cancelled: Callable[[], bool]) -> None:
@@ -195,23 +198,50 @@ class LiveSource(Source):
 
     def _find(self, lost: RunInfo | None) -> tuple[RunInfo | None, str]:
         """The live run to attach to, or (None, why not)."""
+        try:
+            runs = self._runs()
+        except TransportError as exc:
+            return None, clean(str(exc), 200)
         if lost is not None:
-            succ = _successor(lost)
+            succ = _successor(lost, runs)
             if succ is not None:
                 return succ, ""
             return None, (f"run {clean(lost.name, 60)} ({lost.run}) is gone; waiting for a new run named "
                           f"{clean(lost.name, 60)}")
         try:
-            info = find_run(self.spec)
+            info = self._resolve(runs)
         except TransportError as exc:
             return None, clean(str(exc), 200)
         if info.state == "live":
             return info, ""
-        succ = _successor(info)
+        succ = _successor(info, runs)
         if succ is not None:
             return succ, ""
         return None, (f"run {clean(info.name, 60)} ({info.run}) has {info.state}; waiting for a new run named "
                       f"{clean(info.name, 60)}")
+
+    # ------------------------------------------------------------------ hooks (RemoteSource overrides them)
+
+    def _runs(self) -> list[RunInfo]:
+        """The runs to choose from, newest first."""
+        return list_runs()[0]
+
+    def _resolve(self, runs: list[RunInfo]) -> RunInfo:
+        spec = self.spec
+        if spec is not None and (spec.endswith(".json") or os.sep in spec) and "://" not in spec:
+            return find_run(spec)  # a connection file, read as it is
+        return find_run(spec, runs=runs)
+
+    def _state(self, info: RunInfo) -> str:
+        """live / finished / crashed / gone, now."""
+        return _state_of(info)
+
+    def _attach(self, info: RunInfo) -> tuple[RunInfo, RunInfo]:
+        """(what to connect to, what ``current`` is: the run the controller commands)."""
+        return (info if self.endpoint is None else dataclasses.replace(info, stream=self.endpoint, state="live")), info
+
+    def _detach(self, info: RunInfo) -> None:
+        """The viewer left ``info`` (gone, or cancelled)."""
 
     # ------------------------------------------------------------------ following one run
 
@@ -219,15 +249,16 @@ class LiveSource(Source):
         """Stream one run until cancelled (None) or until its process is gone (returns the run)."""
         from gradwatch.client import Client  # imports zmq: only in the worker that uses it
 
-        target = info if self.endpoint is None else dataclasses.replace(info, stream=self.endpoint, state="live")
         name = f"{clean(info.name, 60)} ({info.run})"
         try:
+            target, current = self._attach(info)
             client = Client(target)
         except TransportError as exc:
+            self._detach(info)
             out.conn("LOST", clean(str(exc), 200))
             _sleep(self.repoll_s, cancelled, out)
             return None
-        self.current = info
+        self.current = current
         try:
             out.conn("WAITING", f"connecting to {name}")
             start = time.monotonic()
@@ -259,7 +290,7 @@ class LiveSource(Source):
                 quiet = now - (last_msg if last_msg is not None else start)
                 if quiet >= 1.0 and now >= next_check:  # heartbeats come every second: is the process gone?
                     next_check = now + 0.5
-                    state = _state_of(info)
+                    state = self._state(info)
                     if state != "live":
                         conn = {"finished": "FINISHED", "crashed": "CRASHED"}.get(state, "LOST")
                         why = {"finished": "has finished", "crashed": "is gone (its process died without closing)"}
@@ -276,13 +307,13 @@ class LiveSource(Source):
             return None
         finally:
             client.close()
+            self._detach(info)
             out.flush()
 
 
-def _successor(old: RunInfo) -> RunInfo | None:
+def _successor(old: RunInfo, runs: list[RunInfo] | None = None) -> RunInfo | None:
     """A live run with the same name as ``old``, not ``old`` itself, started after it (newest first)."""
-    runs, _problems = list_runs()
-    for r in runs:
+    for r in (list_runs()[0] if runs is None else runs):
         if r.state == "live" and r.name == old.name and r.run != old.run and r.started >= old.started - 1.0:
             return r
     return None
@@ -333,6 +364,8 @@ class ReplaySource(Source):
 
     Records the reader drops (corrupt, invalid) are reported as ``info["rejected"]``.
     """
+
+    kind = "replay"
 
     def __init__(self, path: Any, *, speed: float = 1.0, follow: bool = False) -> None:
         speed = float(speed)
@@ -391,13 +424,31 @@ class ReplaySource(Source):
                 for item in reader:
                     if not put(item):
                         return
+                total.append(reader.records)  # read to the end: now "how far" can be a share
             except Exception as exc:  # noqa: BLE001 - reported by the consumer
                 failure.append(exc)
             put(_END)
 
+        total: list[int] = []
         thread = threading.Thread(target=read, name="gradwatch-replay-reader", daemon=True)
         thread.start()
-        out.conn("LIVE", f"replaying {show}")
+        speed = "as fast as it reads" if not 0 < self.speed < math.inf else f"x{self.speed:g}"
+        shown_at = [0.0]
+
+        def progress(force: bool = False) -> None:
+            now = time.monotonic()
+            if force or now - shown_at[0] >= 0.5:
+                shown_at[0] = now
+                if total and not self.follow:
+                    where = f"{min(100, 100 * played // max(1, total[0]))} % of"
+                else:
+                    where = f"{played:,} records into"
+
+                out.conn("REPLAY", f"{speed}, {where} {show}")
+
+        played = 0
+        progress(force=True)
+        goodbye = ""
         paced = 0 < self.speed < math.inf
         wall0 = 0.0
         virtual = 0.0
@@ -413,6 +464,7 @@ class ReplaySource(Source):
                 if item is _END:
                     break
                 t, msg = item
+                played += 1
                 if paced and isinstance(t, float) and math.isfinite(t):
                     if prev_t is None:
                         wall0, prev_t = time.monotonic(), t
@@ -425,16 +477,22 @@ class ReplaySource(Source):
                         out.flush_if_due()
                         time.sleep(min(left, 0.02))
                 out.add(msg)
+                if isinstance(msg, Event) and msg.event in ("finished", "crashed"):
+                    goodbye = msg.event
                 if out.due():
                     out.counters(_snapshot(reader.skipped), reader.records)
+                    progress()
                     out.flush_if_due()
             if cancelled():
                 return
             out.counters(_snapshot(reader.skipped), reader.records)
             if failure:
                 out.conn("LOST", clean(f"cannot read {show}: {failure[0]}", 200))
-            elif not self.follow:
-                out.conn("FINISHED", f"end of recording {show}")
+            elif not self.follow and goodbye:  # as recorded: the trainer said goodbye, finished or crashed
+                out.conn(goodbye.upper(), f"end of recording {show}")
+            elif not self.follow:  # killed (SIGKILL, OOM), or recorded only in part: not FINISHED
+                out.conn("LOST", f"end of recording {show}: no goodbye from the trainer in it (killed, or "
+                                 f"recorded only in part)")
             out.flush()
         finally:
             done.set()

@@ -84,6 +84,7 @@ class Conn(str, enum.Enum):
     LOST = "LOST"  # nothing for ``lost_after`` seconds, or the source lost the run
     FINISHED = "FINISHED"  # the run said goodbye (sticky until another run's schema)
     CRASHED = "CRASHED"  # the run died (sticky until another run's schema)
+    REPLAY = "REPLAY"  # a recording plays back: no trainer behind it, no aging into STALE/LOST
 
 
 _STICKY = (Conn.FINISHED, Conn.CRASHED)
@@ -419,7 +420,10 @@ class RunState:
     def _apply_schema(self, sc: Schema, now: float) -> None:
         cur = self.schema
         if cur is None or sc.run != cur.run or sc.n != cur.n:
+            was = self.conn
             self.reset_for(sc)
+            if was is Conn.REPLAY:  # a recording's next run is still a replay
+                self.conn = was
         self.last_message_at = now
         if self.conn in (Conn.WAITING, Conn.STALE, Conn.LOST):
             self.conn = Conn.LIVE

@@ -189,6 +189,8 @@ class SyntheticSource(Source):
     messages per second (0 or inf: as fast as possible). Keeps the state FINISHED once the stream ends.
     """
 
+    kind = "synthetic"
+
     def __init__(self, *, seed: int = 0, layers: int = 12, steps: int | None = None, rate: float = 50.0,
                  nan_at: int | None = None, spike_at: int | None = None, name: str = "synthetic",
                  hostile_names: bool = False) -> None:
