@@ -1,4 +1,4 @@
-"""Benchmark models (research/performance.md §1) and the comparison monitors, shared by the bench scripts.
+"""Benchmark models (bench/README.md, section 1) and the comparison monitors, shared by the bench scripts.
 
 Each factory returns a :class:`Workload`: a model, a fixed batch and a loss function. Build every
 variant of a benchmark from the same seed so all start from identical weights.

@@ -8,7 +8,7 @@ Three costs, all measured in this run against a baseline measured in the same ru
 * the per-step check at the safe point (``PauseControl.check``: one uncontended lock and an int
   comparison), timed directly in a tight loop and expressed as a share of a median step;
 * the control thread (a ROUTER socket polled every 20 ms), idle: gradwatch with ``control=True``
-  against ``control=False``, whole-step mean time, shuffled interleaved rounds (FINDINGS 25);
+  against ``control=False``, whole-step mean time, shuffled interleaved rounds (docs/design.md, "Measuring");
 * the same with a viewer attached that pings every 0.5 s (an open debugger link) -- the trainer's
   control thread verifies and answers those pings.
 

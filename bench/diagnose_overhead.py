@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/diagnose_overhead.py [--model tiny_mlp] [--rounds 20] [--steps 200]
 
-Interleaved, shuffled rounds (FINDINGS 25): gradwatch with ``diagnose=False`` (the baseline), with
+Interleaved, shuffled rounds (docs/design.md, "Measuring"): gradwatch with ``diagnose=False`` (the baseline), with
 ``diagnose=True``, and the baseline again (A/A). Whole-step mean time ratios against the baseline in
 the same round, median over rounds; plus the diagnoser's own cost per step, timed directly on the
 steps the run produced. No pass/fail.

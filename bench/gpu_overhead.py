@@ -10,7 +10,7 @@ Model: a minimal GPT written inline (no downloads): 12 layers, d_model 768, 12 h
 vocabulary 50257, tied embeddings, ``F.scaled_dot_product_attention(is_causal=True)``; bf16 autocast,
 fused AdamW (lr 1e-4); one fixed random batch of token ids.
 
-Part A -- host syncs (research/performance.md §7.2: "zero cudaStreamSynchronize / .item() per step"):
+Part A -- host syncs (docs/design.md, "Measuring": zero cudaStreamSynchronize / .item() per step):
 
 * A1: ``torch.cuda.set_sync_debug_mode("warn")`` for a whole training loop with gradwatch attached;
   every "synchronizing CUDA operation" warning is recorded with its thread, the phase of the step it
@@ -64,7 +64,7 @@ from torch import nn  # noqa: E402
 VARIANTS = ("bare", "bare_AA", "gradwatch+sub", "gradwatch", "gradwatch_loss_only", "naive_item",
             "lightning_grad_norm")
 GW_VARIANTS = ("gradwatch+sub", "gradwatch", "gradwatch_loss_only")
-TARGET = 1.01  # research/performance.md §7.2: GPU, zero-sync pipeline, steps >= 100 ms: <= 1.01
+TARGET = 1.01  # docs/design.md, "Measuring": GPU, zero-sync pipeline, steps >= 100 ms: <= 1.01
 
 
 # ---------------------------------------------------------------------------------------------- the model

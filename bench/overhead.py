@@ -4,7 +4,7 @@
     .venv/bin/python bench/overhead.py --quick         # ~1 minute (smaller transformer, fewer rounds)
     .venv/bin/python bench/overhead.py --models tiny_mlp,mid_mlp --rounds 30
 
-Protocol (FINDINGS 25, research/performance.md §1, §7.3):
+Protocol (docs/design.md, "Measuring"; bench/README.md):
 
 * ``torch.set_num_threads(1)``; every variant owns a deep copy of the same initial model, its own Adam
   (lr 1e-4) and the same fixed batch, so no hook of one variant runs in another's loop.

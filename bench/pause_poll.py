@@ -1,4 +1,4 @@
-"""What the distributed pause coordinator costs a fast data-parallel loop (research/reliability.md T-E4).
+"""What the distributed pause coordinator costs a fast data-parallel loop (T-E4: docs/design.md, "The trainer side", pausing many ranks).
 
     .venv/bin/python bench/pause_poll.py [--nproc 2] [--rounds 12] [--block 100] [--work 0.005]
 
@@ -14,7 +14,7 @@ steps, in a new random order (the same on every rank):
 * ``off2``  -- ``off`` again: the A/A noise floor.
 
 Per round, each variant's mean step time is divided by ``off``'s in the same round; the script
-prints the median ratio over rounds (no pass/fail: the box is shared and noisy, FINDINGS 25) and
+prints the median ratio over rounds (no pass/fail: the box is shared and noisy, docs/design.md, "Measuring") and
 writes ``bench/results/pause_poll.json``.
 """
 

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+from collections import deque
 from typing import Any, NoReturn, Sequence
 
 from gradwatch.__about__ import __version__
@@ -119,26 +120,48 @@ def cmd_tail(args: argparse.Namespace) -> int:
           f"{schema.n} parameter tensors, optimizer {clean(schema.optimizer, 40) or '-'}", file=out, flush=True)
     steps = 0
     last_seen = time.monotonic()
+    # the history a late joiner gets (up to 2,000 steps) is older than the schema sent to it: keep its
+    # last ``-n`` lines, as tail does, and print them before the first live one
+    backlog: deque[tuple[str, bool]] | None = None if args.lines is None else deque(maxlen=args.lines)
+
+    def emit(line: str, is_step: bool) -> bool:
+        nonlocal steps
+        print(line, file=out, flush=True)
+        steps += is_step
+        return bool(args.count and steps >= args.count)
+
+    def drain() -> bool:
+        nonlocal backlog
+        lines, backlog = list(backlog or ()), None
+        return any(emit(line, is_step) for line, is_step in lines)
+
     try:
         while True:
             msg = client.recv(timeout=0.5)
             now = time.monotonic()
             if msg is None:
+                if backlog is not None and drain():  # the history is in; the run may be quiet (paused)
+                    return 0
                 if now - last_seen > args.lost_after:
                     print(f"gradwatch: lost run {clean(schema.name, 60)}: no message for {args.lost_after:g}s",
                           file=sys.stderr)
                     return 1
                 continue
             last_seen = now
-            if isinstance(msg, Step):
-                print(format_step(msg, schema), file=out, flush=True)
-                steps += 1
-                if args.count and steps >= args.count:
+            if isinstance(msg, (Step, Event)):
+                if isinstance(msg, Step):
+                    line = format_step(msg, schema)
+                else:
+                    text = f"  {clean(msg.message, 200)}" if msg.message else ""
+                    line = f"event {msg.event} at step {msg.step}{text}"
+                if backlog is not None and msg.seq < schema.seq:
+                    backlog.append((line, isinstance(msg, Step)))
+                    continue
+                if backlog is not None and drain():
                     return 0
-            elif isinstance(msg, Event):
-                text = f"  {clean(msg.message, 200)}" if msg.message else ""
-                print(f"event {msg.event} at step {msg.step}{text}", file=out, flush=True)
-                if msg.event in ("finished", "crashed"):
+                if emit(line, isinstance(msg, Step)):
+                    return 0
+                if isinstance(msg, Event) and msg.event in ("finished", "crashed"):
                     return 0 if msg.event == "finished" else 1
             elif isinstance(msg, Heartbeat) and args.heartbeats:
                 print(f"heartbeat step {msg.step} {json.dumps(msg.counters, sort_keys=True)}", file=out, flush=True)
@@ -286,11 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gradwatch", description="Live gradient telemetry for PyTorch training.")
     p.add_argument("--version", action="version", version=f"gradwatch {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    ls = sub.add_parser("ls", help="list runs on this machine")
+    ls = sub.add_parser("ls", help="list runs on this machine", epilog="examples:\n  gradwatch ls\n  gradwatch ls --all --json | jq '.[].run'",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.add_argument("--all", action="store_true", help="include runs that ended more than a day ago")
-    tail = sub.add_parser("tail", help="print one line per step and per event of a run")
+    tail = sub.add_parser("tail", help="print one line per step and per event of a run", epilog="examples:\n  gradwatch tail                      # the newest live run: its last 10 lines, then follow\n  gradwatch tail train-llm -n all     # its whole recent history (up to 2,000 steps) first\n  gradwatch tail 3f9c --count 100 > steps.log",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     tail.add_argument("run", nargs="?", help="run id, name, pid, connection file or endpoint (default: newest live run)")
+    tail.add_argument("-n", "--lines", type=_lines, default=10, metavar="N",
+                      help="lines of the run's recent history to print first (default 10; 'all': up to 2,000 steps)")
     tail.add_argument("--count", type=_positive_int, default=0, help="stop after N steps")
     tail.add_argument("--timeout", type=_positive_float, default=5.0, help="seconds to wait for the run to answer")
     tail.add_argument("--lost-after", type=_positive_float, default=10.0, help="give up after this many silent seconds")
@@ -298,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="read from this endpoint instead of the one in the connection file (e.g. a socket forwarded with ssh -L)")
     tail.add_argument("--heartbeats", action="store_true", help="also print heartbeats with the sender's counters")
     _viewer_flags(p)
-    attach = sub.add_parser("attach", help="open the viewer on one run")
+    attach = sub.add_parser("attach", help="open the viewer on one run", epilog="examples:\n  gradwatch attach train-llm --wait\n  gradwatch attach ~/gw-run.json --connect ipc:///tmp/gw-run.s --control ipc:///tmp/gw-run.c",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     attach.add_argument("run", help="run id, name, pid or connection file")
     attach.add_argument("--connect", metavar="ENDPOINT", help="read from this endpoint (e.g. an ssh-forwarded socket)")
     attach.add_argument("--control", metavar="ENDPOINT",
@@ -319,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     ssh.add_argument("--runtime-dir", metavar="DIR",
                      help="HOST's GRADWATCH_RUNTIME_DIR, if the trainer sets one (default: its usual directories)")
     _viewer_flags(ssh)
-    debug = sub.add_parser("debug", help="pause a run at its next safe point and open its pdb here")
+    debug = sub.add_parser("debug", help="pause a run at its next safe point and open its pdb here", epilog="examples:\n  gradwatch debug                     # pause the newest live run, pdb here\n  printf 'p step\\nc\\n' | gradwatch debug train-llm   # scripted: waits for the pause",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     debug.add_argument("run", nargs="?", help="run id, name, pid or connection file (default: newest live run)")
     debug.add_argument("--no-pause", action="store_true",
                        help="do not ask for a pause: attach and wait for one (pause_on, or another viewer)")
@@ -327,15 +356,18 @@ def build_parser() -> argparse.ArgumentParser:
     debug.add_argument("--timeout", type=_positive_float, default=5.0, help="seconds to wait for the run to answer")
     debug.add_argument("--pause-timeout", type=_positive_float, default=120.0,
                        help="seconds to wait for the trainer to reach its safe point (default 120); then exit 1")
-    replay = sub.add_parser("replay", help="show a recording in the viewer")
+    replay = sub.add_parser("replay", help="show a recording in the viewer", epilog="examples:\n  gradwatch replay ~/.local/state/gradwatch/recordings/train-3f9c-20261201-101500.gwrec --speed 10\n  gradwatch replay run.gwrec --follow   # a recording that is still being written",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     replay.add_argument("file")
     replay.add_argument("--speed", type=_positive_float, default=1.0, help="replay speed factor (default 1)")
     replay.add_argument("--follow", action="store_true", help="keep reading as the file grows")
-    export = sub.add_parser("export", help="convert a recording to CSV or JSON lines")
+    export = sub.add_parser("export", help="convert a recording to CSV or JSON lines", epilog="examples:\n  gradwatch export run.gwrec --format csv -o run.csv\n  gradwatch export run.gwrec --format jsonl | jq 'select(.event == \"alert\")'",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     export.add_argument("file")
     export.add_argument("--format", choices=("csv", "jsonl"), required=True)
     export.add_argument("-o", "--output", help="output file (default: stdout)")
-    demo = sub.add_parser("demo", help="the viewer on a synthetic stream (no torch, no trainer needed)")
+    demo = sub.add_parser("demo", help="the viewer on a synthetic stream (no torch, no trainer needed)", epilog="examples:\n  gradwatch demo --layers 40 --nan-at 120",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--layers", type=_positive_int, default=12)
     demo.add_argument("--nan-at", type=_positive_int, default=300)
@@ -351,6 +383,18 @@ def _positive_int(s: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {s!r}")
+    return v
+
+
+def _lines(s: str) -> int | None:
+    if s.strip().lower() == "all":
+        return None
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of lines (or 'all'): {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more: {s!r}")
     return v
 
 

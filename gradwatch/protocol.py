@@ -464,7 +464,7 @@ def unpack(body: bytes) -> Any:
         raise
     except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
         # msgpack raises ValueError subclasses (ExtraData, FormatError, StackError) and
-        # UnicodeDecodeError (also a ValueError) for bad UTF-8 (FINDINGS 17).
+        # UnicodeDecodeError (also a ValueError) for bad UTF-8 (docs/design.md, ZeroMQ 11).
         raise DecodeError("undecodable", type(exc).__name__) from None
 
 

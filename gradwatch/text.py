@@ -1,4 +1,4 @@
-"""Strings from the wire are hostile (FINDINGS 20): make them safe to print in a terminal.
+"""Strings from the wire are hostile (docs/design.md, "The viewer and terminals"): make them safe to print in a terminal.
 
 Layer names, run names and event messages come from another process. An OSC 52 escape in a
 layer name would write to the user's clipboard; a bidi override would make ``fc1.weight`` read as

@@ -1,6 +1,6 @@
 """Where runs live: the private runtime directory, connection files, endpoints and discovery.
 
-Security rests on the filesystem (FINDINGS 14): 127.0.0.1 and abstract ipc sockets are reachable by
+Security rests on the filesystem (docs/design.md, ZeroMQ 12): 127.0.0.1 and abstract ipc sockets are reachable by
 other local users; an ``ipc://`` socket inside a 0700 directory is not. So every run gets:
 
 * ``<runtime>/runs/<run>.json`` -- the connection file, 0600, created with O_EXCL|O_NOFOLLOW:

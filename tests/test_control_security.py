@@ -1,4 +1,4 @@
-"""Only the owner can pause or debug (research/reliability.md §8, §9.3: T-C1, T-C3, T-C4, T-C7, T-C9, T-C10).
+"""Only the owner can pause or debug (docs/design.md, "The trainer side": a pause is code execution; T-C1, T-C3, T-C4, T-C7, T-C9, T-C10).
 
 Real trainers in subprocesses (stdin at EOF, own session), real sockets, frames forged by hand. A pause is
 code execution, so every check here is "this frame did NOT pause the trainer": the stream never shows a

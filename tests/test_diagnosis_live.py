@@ -63,7 +63,7 @@ def test_alerts_arrive_as_events_with_a_flight_record(runtime: Path, tmp_path: P
 def test_gradwatch_tail_prints_the_alerts(runtime: Path) -> None:
     p, name = _demo(runtime, "explode", "--steps", "150", "--pace", "0.05")  # alive ~7 s: tail gets the replay
     try:
-        r = subprocess.run([PY, "-m", "gradwatch", "tail", name, "--timeout", "20"], cwd=ROOT,
+        r = subprocess.run([PY, "-m", "gradwatch", "tail", name, "-n", "all", "--timeout", "20"], cwd=ROOT,
                            env=child_env(runtime), capture_output=True, text=True, timeout=60)
     finally:
         p.kill()

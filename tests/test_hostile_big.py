@@ -80,16 +80,16 @@ def test_a_100k_tensor_run_is_followed_live_with_a_capped_table_and_recording(
                             "the header's step", 20)
                 table = app.query_one("#table", HeatTable)
                 await until(pilot, lambda: table.row_count == MAX_ROWS, "the table's rows", 20)
-                assert table.heading == f"layer: top {MAX_ROWS} of {TENSORS + 4:,}"
+                assert table.heading == f"▼anomaly: {MAX_ROWS} of {TENSORS + 4:,}"
                 await pilot.press("m")  # by module: 1,000 banks and the net's layers, still more than a screen
-                await until(pilot, lambda: table.heading.startswith(f"layer: top {MAX_ROWS} of 1,00"),
+                await until(pilot, lambda: table.heading.startswith(f"▼anomaly: {MAX_ROWS} of 1,00"),
                             "the module view's heading", 20)
                 await pilot.press("slash", "b")  # Pilot idles ~2 s after each key: the rest is filled in
                 app.query_one("#filter", Input).value = "bank.7"
                 await pilot.press("enter")
-                # bank.7 and bank.70-79 and bank.700-799: 111 modules, all shown, so no "top ... of"
+                # bank.7 and bank.70-79 and bank.700-799: 111 modules, all shown, so no "... of ..."
                 await until(pilot, lambda: table.row_count == 111, "the filtered rows", 20)
-                assert table.heading == "layer"
+                assert table.heading == "layer ▼anomaly"
                 status = str(app.query_one("#status").render())
                 assert "/12M" in status and ".part" in status, status  # the cap and the rotation, shown
                 await pilot.press("q")

@@ -120,7 +120,7 @@ def test_sender_faults_leave_training_running_with_one_warning(runtime: Path, fa
 def test_tail_prints_steps_and_ends_with_the_run(runtime: Path) -> None:
     proc = _start(runtime, "40", "--pace", "0.05", "--name", "tailme")
     run_id = _run_id(proc)
-    out = subprocess.run([PY, "-m", "gradwatch", "tail", "tailme"], capture_output=True, text=True, timeout=60,
+    out = subprocess.run([PY, "-m", "gradwatch", "tail", "tailme", "-n", "all"], capture_output=True, text=True, timeout=60,
                          env=child_env(runtime))
     proc.communicate(timeout=30)
     lines = out.stdout.splitlines()
@@ -128,6 +128,26 @@ def test_tail_prints_steps_and_ends_with_the_run(runtime: Path) -> None:
     assert lines[0].startswith(f"# run tailme ({run_id})")
     assert sum(1 for line in lines if line.startswith("step ")) == 40
     assert lines[-1].startswith("event finished at step 39")
+
+
+def test_tail_n_prints_the_last_lines_of_the_history_then_follows(runtime: Path) -> None:
+    """`tail -n 5` of a run 300 steps in: its history's last 5 steps, not 300 (before: the whole history)."""
+    proc = _start(runtime, "300", "--linger", "30", "--name", "tailn")
+    try:
+        _run_id(proc)
+        assert proc.stdout.readline().startswith("LOOP_END")  # type: ignore[union-attr]
+        out = subprocess.run([PY, "-m", "gradwatch", "tail", "tailn", "-n", "5", "--count", "5"], capture_output=True,
+                             text=True, timeout=60, env=child_env(runtime))
+        steps = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("step ")]
+        assert out.returncode == 0 and steps == ["295", "296", "297", "298", "299"], out.stdout[-800:]
+        none = subprocess.run([PY, "-m", "gradwatch", "tail", "tailn", "-n", "0", "--lost-after", "2"],
+                              capture_output=True, text=True, timeout=60, env=child_env(runtime))
+        assert not [ln for ln in none.stdout.splitlines() if ln.startswith("step ")]  # no history, no new step
+        bad = subprocess.run([PY, "-m", "gradwatch", "tail", "-n", "-3"], capture_output=True, text=True,
+                             timeout=60, env=child_env(runtime))
+        assert bad.returncode == 2 and "must be 0 or more" in bad.stderr and "Traceback" not in bad.stderr
+    finally:
+        proc.kill()
 
 
 def test_tcp_loopback_endpoint(runtime: Path) -> None:

@@ -1,7 +1,7 @@
 """Pause into pdb at the safe point: real trainers without a terminal, real sockets, real pdb.
 
 Trainers run with stdin=/dev/null in their own session (nohup/Slurm/torchrun-like: no controlling
-terminal), where a plain ``pdb.set_trace()`` dies with BdbQuit (FINDINGS 22).
+terminal), where a plain ``pdb.set_trace()`` dies with BdbQuit (docs/design.md, "The trainer side").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pausing a multi-rank job (FINDINGS 23, research/reliability.md §5 and §9.5: T-E1, T-E2, T-E3, T-D2).
+"""Pausing a multi-rank job (docs/design.md, "The trainer side": pausing one rank kills the job; T-E1, T-E2, T-E3, T-D2).
 
 The torchrun tests start 2 ranks with gloo and a 5 s process-group timeout (``tests/_ddp_trainer.py``),
 launched like a batch job (stdin at /dev/null; torchrun's workers get their own session, no tty):

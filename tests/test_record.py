@@ -642,9 +642,11 @@ def test_export_csv_exact_rows(tmp_path: Path) -> None:
         ["1", "101.5", "inputs_mean", "", "nan"],
         ["1", "101.5", "inputs_std", "", "0.5"],
         ["1", "101.5", "first_nonfinite_module", "fc", "1"],
+        ["1", "102.0", "alert", "", "warning alert: loss is NaN"],  # an event: a text row, in file order
     ]
-    for row in rows:  # every value parses back as a number
-        float(row[4])
+    for row in rows:  # every value but the events' parses back as a number
+        if row[2] != "alert" and not row[2].startswith("event:"):
+            float(row[4])
 
 
 def _strict(line: str) -> Any:
@@ -717,3 +719,18 @@ def test_import_record_stays_light() -> None:
     mods = set(out.stdout.split())
     for name in ("torch", "zmq", "numpy", "textual"):
         assert name not in mods, name
+
+
+def test_export_csv_has_the_alerts_with_their_layer(tmp_path: Path) -> None:
+    path = tmp_path / "alerts.gwrec"
+    with R.Recorder(path) as rec:
+        rec.write(_schema(run="r1"))
+        rec.write(_step(0, run="r1"))
+        rec.write(P.Event("r1", 200, 11.0, "alert", 0, "gradient of layer1.weight exploded, x1e6",
+                          {"severity": "critical", "kind": "grad_explosion", "layer": "layer1.weight"}))
+        rec.write(P.Event("r1", 201, 12.0, "finished", 0, "1 steps", {}))
+    out = io.StringIO()
+    R.export(path, "csv", out)
+    rows = list(csv.reader(io.StringIO(out.getvalue())))
+    assert ["0", "11.0", "alert", "layer1.weight", "critical grad_explosion: gradient of layer1.weight exploded, x1e6"] in rows
+    assert rows[-1] == ["0", "12.0", "event:finished", "", "1 steps"]

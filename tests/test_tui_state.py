@@ -442,7 +442,7 @@ def test_huge_models_shrink_the_ring_instead_of_the_machine() -> None:
 
 
 def test_apply_speed_1000_params() -> None:
-    """Prints apply() cost per step for 1,000 parameters (FINDINGS 25: never gated on wall-clock)."""
+    """Prints apply() cost per step for 1,000 parameters (docs/design.md, "Measuring": never gated on wall-clock)."""
     msgs = list(synthetic_messages(seed=2, layers=500, steps=2000, nan_at=1500, spike_at=700))
     steps = [m for m in msgs if isinstance(m, Step)]
     best = math.inf

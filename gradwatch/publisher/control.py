@@ -1,6 +1,6 @@
 """The trainer's control channel: a ROUTER socket that accepts only signed, fresh commands.
 
-A pause is code execution (research/reliability.md §8), so every command frame is verified exactly
+A pause is code execution (docs/design.md, "The trainer side"), so every command frame is verified exactly
 like telemetry (HMAC with the run's key, checked before decoding) and then replay-checked: per
 viewer session a strictly increasing sequence number and a timestamp within
 :data:`~gradwatch.protocol.COMMAND_MAX_AGE_S`. A rejected frame is counted by reason, logged

@@ -1,8 +1,8 @@
 """pdb served over the authenticated control channel, for trainers without a terminal.
 
-FINDINGS 22: ``pdb.set_trace()`` with stdin at EOF (nohup, Slurm, torchrun workers) reads EOF,
+docs/design.md ("The trainer side"): ``pdb.set_trace()`` with stdin at EOF (nohup, Slurm, torchrun workers) reads EOF,
 raises ``BdbQuit`` and kills a 3-day job. Here pdb gets a :class:`DebugChannel` as stdin and stdout
-(``Pdb(stdin=..., stdout=..., nosigint=True)``, research/reliability.md §4.3), and the channel
+(``Pdb(stdin=..., stdout=..., nosigint=True)``, the same section), and the channel
 **never returns end of input**: a lost viewer, the maximum pause time, a resume from the viewer or
 the end of the session all read as ``continue``. ``q``, ``exit`` and ``EOF`` continue training
 too; stopping the run is a separate, confirmed "abort" command.

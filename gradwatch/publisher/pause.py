@@ -7,7 +7,7 @@ comparison per step (:meth:`PauseControl.check`); everything else happens in oth
 
 One process: a verified ``pause`` command (control thread) marks the next boundary as due.
 
-Many ranks (FINDINGS 23, research/reliability.md §5.3): pausing one rank kills the job, because
+Many ranks (docs/design.md, "The trainer side"): pausing one rank kills the job, because
 the others time out in their next collective. So a pause is agreed for one step ``S`` on every
 rank through the c10d store, never through a collective. Each rank runs a background poller
 (:class:`~gradwatch.publisher.rounds.StoreCoordinator`, started with the :class:`PauseControl`; it

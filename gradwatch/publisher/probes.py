@@ -1,6 +1,6 @@
 """On-device statistics for one step, computed in bulk and shipped as one float32 buffer.
 
-Cost rules (FINDINGS 6-8, 27; research/performance.md §7):
+Cost rules (docs/design.md, Torch 4-6 and "The trainer side"):
 
 * Per published step: one ``torch._foreach_norm`` over the gradients, grouped by (device, dtype),
   accumulated in float32, and one ``torch.cat`` of everything into a single buffer. No ``.item()``
@@ -223,7 +223,7 @@ def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tenso
 
 
 class _EventPool:
-    """A ring of reusable CUDA events: none is created or destroyed per step (R-A10)."""
+    """A ring of reusable CUDA events: none is created or destroyed per step (docs/design.md, "The trainer side")."""
 
     def __init__(self, size: int) -> None:
         self._events = [torch.cuda.Event() for _ in range(size)]

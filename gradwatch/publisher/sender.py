@@ -1,11 +1,11 @@
 """The background sender: bounded queue -> signed frames -> XPUB socket, never blocking the trainer.
 
 The training thread only calls :meth:`Sender.submit` (a ``deque.append`` and an ``Event.set``;
-FINDINGS 11: sub-microsecond, where an inline zmq send had 4-10 ms worst cases). Everything else --
+docs/design.md, "The trainer side": sub-microsecond, where an inline zmq send had 4-10 ms worst cases). Everything else --
 waiting for the device copy, encoding, signing, sending, heartbeats, answering new viewers -- runs
 here, in one daemon thread that owns the socket (zmq sockets are not thread-safe).
 
-Bounds (FINDINGS 9-10, R-A5): the queue has ``maxlen`` (the oldest item is dropped and counted),
+Bounds (docs/design.md, ZeroMQ 8-9 and "The trainer side"): the queue has ``maxlen`` (the oldest item is dropped and counted),
 the socket's SNDHWM is sized from the largest frame so a subscriber that stops reading holds at most
 ~:data:`SUBSCRIBER_BUDGET` bytes (8 MiB; the data of a frame sent to many subscribers is shared), frames
 above ``MAX_FRAME_BYTES`` are dropped and counted, the history ring is capped in steps and bytes,

@@ -1,6 +1,6 @@
 """The trainer-side handle returned by :func:`gradwatch.watch`.
 
-Rules it lives by (brief non-negotiable 3, research/reliability.md §9.1):
+Rules it lives by (docs/design.md, "The trainer side: rules it lives by"):
 
 * Every public method is wrapped: no exception from gradwatch reaches the training loop. Internal
   errors are counted; after ``MAX_CONSECUTIVE_ERRORS`` in a row gradwatch disables itself with one

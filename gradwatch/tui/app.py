@@ -1,6 +1,6 @@
 """The gradwatch viewer: composes the widgets, routes keys, and pulls from the model at a fixed rate.
 
-Data path (STYLE.md): a Source runs in a worker thread and applies message batches to a
+Data path (docs/design.md, "The viewer and terminals"): a Source runs in a worker thread and applies message batches to a
 :class:`~gradwatch.tui.state.RunState` under a lock; a timer at ~8 Hz reads the state and redraws
 only what changed. The UI frame rate is therefore independent of the trainer's step rate, and no
 thread but the UI thread ever touches a widget. This module decides *what* to show; the widgets
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
 
 from textual import work
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
 from textual.reactive import reactive
@@ -24,8 +26,9 @@ from textual.worker import Worker, WorkerState, get_current_worker
 from gradwatch.tui.pause import PauseActions
 from gradwatch.tui.screens.help import HelpScreen
 from gradwatch.tui.screens.picker import PickerScreen
-from gradwatch.tui.sources import Source
+from gradwatch.tui.keys import commands, help_rows, load_config
 from gradwatch.tui.malloc import release_big_buffers
+from gradwatch.tui.sources import Source
 from gradwatch.tui.state import Conn, RunState
 from gradwatch.tui.widgets.alerts import AlertPane
 from gradwatch.tui.widgets.heat_table import MAX_ROWS, HeatTable
@@ -61,6 +64,8 @@ class GradwatchApp(PauseActions, App[None]):
     TITLE = "gradwatch"
     BINDINGS = [
         Binding("q", "quit", "quit", id="quit", tooltip="Quit the viewer (the trainer is not touched)"),
+        # like htop, btop, k9s, lazygit, nvitop; priority: before a focused Input takes it as "copy"
+        Binding("ctrl+c", "quit", "", show=False, priority=True, id="quit_ctrl_c"),
         Binding("question_mark", "help", "help", id="help", key_display="?"),
         Binding("slash", "filter", "filter", id="filter", key_display="/", tooltip="Filter layers by regex"),
         Binding("s", "cycle_sort", "sort", id="sort"),
@@ -101,8 +106,10 @@ class GradwatchApp(PauseActions, App[None]):
     def __init__(self, source_factory: Callable[[], Source] | None = None, *, runs_to_pick: Sequence[Any] = (),
                  pick: Callable[[Any], Callable[[], Source]] | None = None, read_only: bool = False,
                  refresh_hz: float = 8.0, capacity: int = 2000, clock: Callable[[], float] = time.monotonic,
-                 recording: Any = None, control_endpoint: str | None = None) -> None:
+                 recording: Any = None, control_endpoint: str | None = None,
+                 config: Path | None = None) -> None:
         super().__init__()
+        self._config = config  # None: ~/.config/gradwatch/config.toml (keys.config_path)
         release_big_buffers()  # a viewer process: give big freed arrays back to the OS (docs/design.md)
         self.state = RunState(capacity=capacity)
         self._lock = threading.RLock()
@@ -152,6 +159,8 @@ class GradwatchApp(PauseActions, App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        for problem in load_config(self, self._config):  # keymap and theme; a bad file costs a notice
+            self.notify(problem, severity="warning", timeout=10)
         self.query_one("#filter", Input).display = False
         self.query_one("#table", HeatTable).focus()  # not the (hidden) filter box, which would eat keys
         self.set_interval(1 / self._refresh_hz, self._refresh_view)
@@ -255,7 +264,7 @@ class GradwatchApp(PauseActions, App[None]):
                 if table is not None:
                     rows, heats, matched = table
                     self._table_stale = self.query_one("#table", HeatTable).show(
-                        rows, heats.get, keep=self.selected_layer, force=force, matched=matched)
+                        rows, heats.get, keep=self.selected_layer, force=force, matched=matched, sort=self.sort_key)
                 self.query_one("#alerts", AlertPane).show(alerts)
                 self.query_one("#alerts-title", Static).update(
                     f"alerts ({len(alerts)}" + (f", {hidden} silenced: u shows them" if hidden else "") + ")")
@@ -358,7 +367,13 @@ class GradwatchApp(PauseActions, App[None]):
     # ------------------------------------------------------------------ actions
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen([b for b in self.BINDINGS if isinstance(b, Binding)]))
+        self.push_screen(HelpScreen(help_rows(self)))
+
+    def get_system_commands(self, screen: Any) -> Iterable[SystemCommand]:
+        """The palette (ctrl+p) offers every viewer action by name, next to Textual's own."""
+        yield from super().get_system_commands(screen)
+        for title, text, action in commands(self):
+            yield SystemCommand(title, text, partial(self.run_action, action))
 
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
@@ -410,7 +425,10 @@ class GradwatchApp(PauseActions, App[None]):
 
     def on_alert_pane_silence(self, event: AlertPane.Silence) -> None:
         a = event.alert
-        if event.what == "layer" and a.layer:
+        if event.what == "layer" and not a.layer:  # not the whole kind behind the user's back
+            self.notify("this alert names no layer; x silences alerts of its kind", timeout=4)
+            return
+        if event.what == "layer":
             self.silenced_layers.add(a.layer)
             self.notify(f"alerts about {a.layer} silenced (u: unsilence all)", timeout=3)
         else:

@@ -2,7 +2,7 @@
 
 A source's :meth:`Source.run` blocks in a worker thread and hands the UI side batches of messages
 through ``emit(batch, info)``, at most ~20 times per second (:class:`Batcher`), so the app's
-lock is taken per batch, not per message (FINDINGS 26: a Python subscriber sees up to ~90k
+lock is taken per batch, not per message (docs/design.md, "The viewer and terminals": a Python subscriber sees up to ~90k
 messages/s). ``info`` is ``{"conn": a Conn value or None, "reason": str, "rejected": dict,
 "received": int}``; ``conn`` is None when the connection state did not change, and a change is
 always delivered *after* the messages that preceded it. A source never raises: a failure becomes

@@ -4,7 +4,7 @@ A :class:`~gradwatch.tui.sources.Source` feeds :meth:`RunState.apply` from a wor
 app's lock); the UI reads at ~8 Hz and redraws only when :attr:`RunState.version` moved. Nothing here
 imports Textual or torch, so every rule is testable without a terminal.
 
-Storage is bounded and preallocated (STYLE.md; FINDINGS 26: the viewer conflates, it never queues):
+Storage is bounded and preallocated (docs/design.md, "The viewer and terminals": the viewer conflates, it never queues):
 
 * one ``(capacity, n)`` float32 ring of per-parameter gradient norms (8 MB for 1,000 parameters at
   2,000 steps; the ring is shortened so that it never exceeds ``max_bytes``, 64 MiB by default),
@@ -19,10 +19,10 @@ highest step numbers seen: a step older than everything in a full window is drop
 
 Values handed out (:meth:`RunState.series`, :meth:`RunState.layer_series`, :class:`Row`) are the
 trainer's numbers: **they may contain NaN, ±Inf and 1e308** -- in a NaN monitor those are the news.
-Sanitizing them for a plot (FINDINGS 19: Sparkline and plotext crash on them) is the widget's job.
+Sanitizing them for a plot (Sparkline and plotext crash on them: docs/design.md) is the widget's job.
 :meth:`RunState.heat` is already display-ready: finite values are clipped to ±:data:`HEAT_CLIP`,
 ``+inf`` means non-finite, NaN means no data. ``Row.score`` is always finite. Every name is cleaned
-with :func:`gradwatch.text.clean` (FINDINGS 20) and made unique.
+with :func:`gradwatch.text.clean` (docs/design.md) and made unique.
 
 Alerts come from the diagnosis engine (:mod:`gradwatch.diagnose`): as ``alert`` events when the trainer
 runs it (``Schema.diagnose``), else from a :class:`~gradwatch.diagnose.Diagnoser` run here on the steps

@@ -1,7 +1,7 @@
 """A seeded, deterministic fake training stream: no torch, no trainer, no sockets.
 
 The same generator feeds the viewer's Pilot and snapshot tests and ``gradwatch demo --synthetic``
-(STYLE.md: seeded, deterministic fake streams for UI tests). Messages are the protocol's own
+(docs/design.md, "The viewer and terminals": seeded, deterministic fake streams for UI tests). Messages are the protocol's own
 dataclasses, shaped as :class:`gradwatch.client.Client` yields them (arrays as ``array('f')``), and
 every one of them survives :func:`gradwatch.protocol.encode` / ``decode``.
 
@@ -30,7 +30,7 @@ from gradwatch.protocol import (MAX_STR, DataStats, Event, Heartbeat, Message, M
                                 Step)
 from gradwatch.tui.sources import Batcher, Source, idle_until_cancelled
 
-#: Names that broke (or would break) a terminal UI: FINDINGS 20.
+#: Names that broke (or would break) a terminal UI: docs/design.md, "The viewer and terminals".
 HOSTILE_NAMES = (
     "grad[/]norm",
     "[bold red]x[/]",

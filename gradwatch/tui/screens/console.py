@@ -42,7 +42,7 @@ class DebugConsole(ModalScreen[None]):
     """
     BINDINGS = [
         Binding("escape", "leave", "continue & close", id="console.leave"),
-        Binding("ctrl+x", "abort", "abort run", id="console.abort"),
+        Binding("ctrl+x", "abort", "abort run", id="console.abort", priority=True),  # not the Input's "cut"
     ]
 
     def __init__(self, title: str, *, send: Callable[[str], None], leave: Callable[[], None],

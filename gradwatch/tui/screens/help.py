@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
+
+from gradwatch.tui.keys import config_path
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
 REMOTE = (
-    "Remote jobs: run the viewer next to the job with  ssh -t HOST gradwatch  , or forward the run's\n"
-    "socket:  ssh -N -L /tmp/gw.s:<stream path from `gradwatch ls --json`> HOST  and\n"
-    "gradwatch attach <copied connection file> --connect ipc:///tmp/gw.s\n"
-    "To pause and debug from there too, forward the control socket (`control` in the same JSON) and add\n"
-    "--control ipc:///tmp/gw.c\n\n"
+    "Remote jobs: from your laptop,  gradwatch ssh HOST  (your own ssh; it follows restarts), or next to\n"
+    "the job:  ssh -t HOST ~/venv/bin/gradwatch\n\n"
     "Pause into pdb: P pauses the trainer at its next step boundary (after backward, before\n"
     "optimizer.step()) and opens its debugger here; in pdb, c / q / Ctrl-D continue training. If this\n"
     "viewer dies, the trainer continues by itself within seconds. N: auto-pause on NaN/Inf gradients."
@@ -28,19 +28,20 @@ class HelpScreen(ModalScreen[None]):
     """
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close", id="help.close")]
 
-    def __init__(self, bindings: list[Binding]) -> None:
+    def __init__(self, rows: list[tuple[str, str, str]]) -> None:
         super().__init__()
-        self._rows = bindings
+        self._rows = rows  # (key, what it does, binding id): gradwatch.tui.keys.help_rows
 
     def compose(self) -> ComposeResult:
         table = Table(show_header=True, header_style="bold", box=None)
         table.add_column("key")
         table.add_column("action")
         table.add_column("id", style="dim")
-        for b in self._rows:
-            table.add_row(b.key_display or b.key, b.description or b.action, b.id or "")
+        for key, what, bid in self._rows:
+            table.add_row(Text(key), Text(what), Text(bid))
         with VerticalScroll():
-            yield Static("[b]gradwatch[/b] keys (rebind by id with App.set_keymap)", markup=True)
+            yield Static(Text.assemble(("gradwatch", "bold"), " keys: rebind by id in ", (str(config_path()), "bold"),
+                                       ' ([keys] pause_trainer = "p"; theme = "textual-light")'))
             yield Static(table)
             yield Static(REMOTE, markup=False)
 

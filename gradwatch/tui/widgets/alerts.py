@@ -82,6 +82,11 @@ class AlertPane(OptionList):
         if highlighted is not None and highlighted < len(alerts):
             self.highlighted = highlighted
 
+    def on_focus(self) -> None:
+        """Tab into the pane highlights the newest alert, so Enter acts on it at once."""
+        if self.highlighted is None and self._alerts:
+            self.highlighted = 0
+
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         event.stop()
         if 0 <= event.option_index < len(self._alerts):

@@ -2,7 +2,7 @@
 
 The strip colours each step by log10(norm / the layer's own median), so "which layer jumped" stands
 out whatever the layers' absolute scales. Rows are keyed by index and updated in place; the row set
-is rebuilt only when the filter, grouping or sort order changes (FINDINGS 21: a DataTable refresh
+is rebuilt only when the filter, grouping or sort order changes (docs/design.md: a DataTable refresh
 costs tens of ms, so the app calls :meth:`HeatTable.show` at most ~8 times a second).
 """
 
@@ -91,7 +91,7 @@ class HeatTable(DataTable[Any]):
         return max(0, top - 2), top + height + 2
 
     def show(self, rows: Sequence[Any], heat: Callable[[int], np.ndarray], keep: int | None = None,
-             force: bool = False, matched: int | None = None) -> bool:
+             force: bool = False, matched: int | None = None, sort: str = "") -> bool:
         """Show ``rows``. The order is re-applied (a rebuild) when the row set changes, when ``force``
         (the user changed sort, filter or grouping) or at most every RESORT_S; otherwise only the cells
         of the rows on screen are updated in place, so a frame costs the same for 20 or 2,000 layers.
@@ -102,7 +102,7 @@ class HeatTable(DataTable[Any]):
         even if no data arrives).
         """
         now = time.monotonic()
-        self._label(len(rows), len(rows) if matched is None else matched)
+        self._label(len(rows), len(rows) if matched is None else matched, sort)
         by_key = {str(r.index): r for r in rows}
         order = list(by_key)
         same_set = len(order) == len(self._order) and set(order) == set(self._order)
@@ -128,9 +128,14 @@ class HeatTable(DataTable[Any]):
                 self.update_cell(key, col, value)
         return order != self._order
 
-    def _label(self, shown: int, matched: int) -> None:
-        """The name column's header: "layer", or "layer: top 200 of 100,000" when rows are left out."""
-        text = COLUMNS[0][1] if matched <= shown else f"{COLUMNS[0][1]}: top {shown:,} of {matched:,}"
+    def _label(self, shown: int, matched: int, sort: str = "") -> None:
+        """The name column's header says the order and what is left out: "layer ▼anomaly", or
+        "▼anomaly: 200 of 100,004" when only the head of the order is shown."""
+        order = f"{'▲' if sort == 'name' else '▼'}{sort}" if sort else ""
+        if matched > shown:
+            text = f"{order or 'top'}: {shown:,} of {matched:,}"
+        else:
+            text = f"{COLUMNS[0][1]} {order}".rstrip()
         column = self.columns.get(ColumnKey(COLUMNS[0][0]))
         if column is not None and column.label.plain != text:
             column.label = Text(text, no_wrap=True, overflow="ellipsis")

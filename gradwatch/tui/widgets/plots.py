@@ -1,6 +1,6 @@
 """Line plots of recent steps that never crash on NaN/Inf and show non-finite points explicitly.
 
-Textual's Sparkline and textual-plotext both die on NaN or Inf (FINDINGS 19). Every series goes
+Textual's Sparkline and textual-plotext both die on NaN or Inf (docs/design.md, "The viewer and terminals"). Every series goes
 through :func:`split_finite` first: finite points are drawn as a line, and steps whose value was
 NaN/Inf are drawn as red vertical markers, so "the loss went NaN here" is visible at a glance.
 """
