@@ -14,10 +14,10 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
+from _tmux import wait_for
 from conftest import PY, ROOT, child_env
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (scripts/test installs it)")
@@ -29,19 +29,6 @@ def _trainer(runtime: Path, name: str) -> subprocess.Popen[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _capture(session: str) -> str:
-    return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
-
-
-def _wait_for(session: str, ok: Callable[[str], bool], timeout: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout
-    screen = ""
-    while time.monotonic() < deadline:
-        screen = _capture(session)
-        if ok(screen):
-            return screen
-        time.sleep(0.25)
-    raise AssertionError(f"screen never matched; last screen:\n{screen}")
 
 
 def test_viewer_in_tmux_follows_a_real_trainer(runtime: Path) -> None:
@@ -58,16 +45,16 @@ def test_viewer_in_tmux_follows_a_real_trainer(runtime: Path) -> None:
     subprocess.run(["tmux", "respawn-pane", "-k", "-t", session, viewer], check=True)
     trainer = _trainer(runtime, name)
     try:
-        screen = _wait_for(session, lambda s: "nonfinite_input" in s and "LIVE" in s)
+        screen = wait_for(session, lambda s: "nonfinite_input" in s and "LIVE" in s)
         assert "0.weight" in screen and "3.bias" in screen  # layer names in the table
         assert "loss" in screen and "total grad norm" in screen and "┤" in screen, screen  # plots with axes
         assert "CRITICAL" in screen
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
-        screen = _wait_for(session, lambda s: "CRASHED" in s or "LOST" in s)
+        screen = wait_for(session, lambda s: "CRASHED" in s or "LOST" in s)
         assert "nonfinite_input" in screen  # the data is kept
         trainer = _trainer(runtime, name)
-        _wait_for(session, lambda s: " LIVE " in s and "CRASHED" not in s)
+        wait_for(session, lambda s: " LIVE " in s and "CRASHED" not in s)
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -109,15 +96,15 @@ def test_pause_into_pdb_from_the_viewer_in_tmux(runtime: Path) -> None:
         subprocess.run(["tmux", "send-keys", "-t", session, *k], check=True)
 
     try:
-        screen = _wait_for(session, lambda s: " LIVE " in s and (_steps_per_s(s) or 0) > 5)
+        screen = wait_for(session, lambda s: " LIVE " in s and (_steps_per_s(s) or 0) > 5)
         before = _steps_per_s(screen)
         assert before is not None
         keys("P")
-        _wait_for(session, lambda s: "Pause" in s and "safe point" in s)
+        wait_for(session, lambda s: "Pause" in s and "safe point" in s)
         keys("y")
-        screen = _wait_for(session, lambda s: "(Pdb)" in s and "PAUSED" in s)
+        screen = wait_for(session, lambda s: "(Pdb)" in s and "PAUSED" in s)
         keys("p step", "Enter")
-        screen = _wait_for(session, lambda s: "(Pdb) p step" in s and s.count("(Pdb)") >= 2)
+        screen = wait_for(session, lambda s: "(Pdb) p step" in s and s.count("(Pdb)") >= 2)
         lines = screen.splitlines()
         at = next(i for i, line in enumerate(lines) if "(Pdb) p step" in line)
         m = re.fullmatch(r"[^\w]*?(\d+)[^\w]*", lines[at + 1])  # the number alone on its line, inside borders
@@ -125,7 +112,7 @@ def test_pause_into_pdb_from_the_viewer_in_tmux(runtime: Path) -> None:
         value = m.group(1)
         assert f"PAUSED at step {value}" in screen  # the header agrees with pdb
         keys("c", "Enter")
-        screen = _wait_for(session, lambda s: "PAUSED" not in s and "(Pdb)" not in s
+        screen = wait_for(session, lambda s: "PAUSED" not in s and "(Pdb)" not in s
                            and (_steps_per_s(s) or 0) >= 0.5 * before, timeout=30)
         keys("q")
         deadline = time.monotonic() + 10

@@ -21,6 +21,7 @@ from typing import Callable
 import pytest
 
 from _sshd import sshd_or_skip
+from _tmux import wait_for
 from conftest import PY, ROOT, child_env
 from gradwatch.client import Client
 from gradwatch.protocol import Schema
@@ -88,19 +89,8 @@ def test_a_bad_host_says_why_in_one_line() -> None:
         Remote("-oProxyCommand=touch /tmp/x")
 
 
-def _capture(session: str) -> str:
-    return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
-
-
 def _wait_for(session: str, ok: Callable[[str], bool], timeout: float = 40.0) -> str:
-    deadline = time.monotonic() + timeout
-    screen = ""
-    while time.monotonic() < deadline:
-        screen = _capture(session)
-        if ok(screen):
-            return screen
-        time.sleep(0.25)
-    raise AssertionError(f"screen never matched; last screen:\n{screen}")
+    return wait_for(session, ok, timeout)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (scripts/test installs it)")

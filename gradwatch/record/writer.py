@@ -91,14 +91,18 @@ class Recorder:
                 if self.error is None:
                     self.error = clean(f"could not record a {type(msg).__name__}: {type(exc).__name__}: {exc}", 200)
             return
+        self._append(record, timed=True)
+
+    def _append(self, record: bytes, *, timed: bool) -> None:
+        """Buffer one packed record; flush when the buffer is full (or, ``timed``, every ``flush_every``)."""
         with self._lock:
             if self.failed or self._closed:
                 self.errors += 1
                 return
             self._buf += record
             self._sizes.append(len(record))
-            if (len(self._buf) >= FLUSH_BYTES or self.flush_every <= 0
-                    or time.monotonic() - self._last_flush >= self.flush_every):
+            if len(self._buf) >= FLUSH_BYTES or (timed and (
+                    self.flush_every <= 0 or time.monotonic() - self._last_flush >= self.flush_every)):
                 self._flush_locked()
 
     def write_body(self, body: bytes, t: float | None = None) -> None:
@@ -109,14 +113,7 @@ class Recorder:
             with self._lock:
                 self.errors += 1
             return
-        with self._lock:
-            if self.failed or self._closed:
-                self.errors += 1
-                return
-            self._buf += record
-            self._sizes.append(len(record))
-            if len(self._buf) >= FLUSH_BYTES:
-                self._flush_locked()
+        self._append(record, timed=False)
 
     def flush(self) -> None:
         """Hand everything buffered to the OS now. Never raises."""
