@@ -54,8 +54,7 @@ def test_tab_enter_acts_on_the_newest_alert_and_X_needs_a_layer() -> None:
             await pilot.pause(0.5)
             pane = app.query_one("#alerts", AlertPane)
             await pilot.press("tab")
-            await until(pilot, lambda: pane.has_focus, "the alert pane's focus")
-            assert pane.highlighted == 0
+            await until(pilot, lambda: pane.has_focus and pane.highlighted == 0, "the newest alert highlighted")
             newest = pane._alerts[0]  # noqa: SLF001
             await pilot.press("enter")
             await until(pilot, lambda: app.focus_step == newest.step, "the jump to the alert's step")

@@ -112,9 +112,10 @@ def test_history_message_and_foreign_or_early_messages() -> None:
 
 
 def test_steps_per_second_from_step_numbers() -> None:
+    """Steps over the trainer's own clock: 100 steps/s, arriving in batches of 10 that share a time here."""
     st = ingest([schema()])
-    for k in range(300):  # 100 steps/s, delivered in batches of 10 sharing one timestamp
-        st.apply(step(k, [1.0, 1.0, 1.0]), (k // 10) * 0.1)
+    for k in range(300):
+        st.apply(dataclasses.replace(step(k, [1.0, 1.0, 1.0]), ts=1000.0 + 0.01 * k), (k // 10) * 0.1)
     assert 90 < st.steps_per_s < 110
 
 

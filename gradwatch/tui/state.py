@@ -516,7 +516,9 @@ class RunState:
                     if 0 <= i < n:
                         self._nf_latest[i] = c if c else -1
                 self._nf_latest_any = True
-            self._update_rate(step, now)
+            # the trainer's clock, not arrival: the history a viewer gets on attaching arrives in one burst
+            # (it read ~466 steps/s right after attaching a 10 steps/s run)
+            self._update_rate(step, s.ts if isinstance(s.ts, float) and math.isfinite(s.ts) and s.ts > 0 else now)
         if self._diag is not None and step > self._diag_step:  # in step order only (not late history)
             self._diag_step = step
             for a in self._diag.observe(s):

@@ -81,6 +81,8 @@ class AlertPane(OptionList):
         self.add_options([Option(alert_text(a)) for a in alerts])
         if highlighted is not None and highlighted < len(alerts):
             self.highlighted = highlighted
+        elif self.has_focus:  # focused before the first alerts arrived: Enter must still act on one
+            self.highlighted = 0
 
     def on_focus(self) -> None:
         """Tab into the pane highlights the newest alert, so Enter acts on it at once."""

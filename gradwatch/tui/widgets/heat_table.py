@@ -21,7 +21,11 @@ from textual.widgets.data_table import ColumnKey
 from gradwatch.text import num
 
 COLUMNS = (("name", "layer", 30), ("grad", "grad norm", 10), ("heat", "recent steps (vs own median)", 28),
-           ("weight", "weight norm", 11), ("update", "update ratio", 12), ("nf", "non-finite", 10))
+           ("weight", "weight norm", 11), ("update", "update ratio", 12), ("nf", "non-finite", 12))
+#: The name column takes what the others leave of the table's width, within these bounds; below
+#: NAME_MIN the heat strip gives up its oldest steps first, down to HEAT_MIN.
+NAME_MIN, NAME_MAX = 14, 60
+HEAT_MIN = 8
 #: Rows re-sorted at most this often (unless the user asks): a full rebuild of 1,000 rows is expensive.
 RESORT_S = 2.0
 #: Rows shown at most: the head of the current order (the most anomalous first by default). A model with
@@ -60,12 +64,31 @@ def heat_strip(values: np.ndarray) -> Text:
     return t
 
 
+def compact(n: int) -> str:
+    """A count that fits its column: 561, 16.4k, 2.1M (16384 used to show as "1638")."""
+    if n < 10_000:
+        return str(n)
+    return f"{n / 1e3:.1f}k" if n < 1_000_000 else f"{n / 1e6:.1f}M"
+
+
 def nonfinite_cell(count: int, total: int) -> Text:
+    """Non-finite elements in the newest step, or (dim red) how many there were before: "561 before"."""
     if count:
-        return Text(">=1" if count < 0 else str(count), style="bold white on red")
+        return Text(">=1" if count < 0 else compact(count), style="bold white on red", justify="right")
     if total:
-        return Text(f"({total})", style="red")
-    return Text("0", style="dim")
+        return Text(f"{compact(total)} before", style="red", justify="right")
+    return Text("0", style="dim", justify="right")
+
+
+def shorten_middle(name: str, width: int) -> str:
+    """Cut in the middle, keeping the end, where a parameter's name says what it is:
+    ``blocks.layers.0.self_attn.out_proj.weight`` -> ``blocks.la…attn.out_proj.weight``."""
+    if len(name) <= width:
+        return name
+    if width < 5:
+        return name[-width:]
+    head = max(2, (width - 1) // 3)
+    return f"{name[:head]}\u2026{name[len(name) - (width - 1 - head):]}"
 
 
 class HeatTable(DataTable[Any]):
@@ -79,10 +102,30 @@ class HeatTable(DataTable[Any]):
         super().__init__(id=id, cursor_type="row", zebra_stripes=True)
         self._order: list[str] = []
         self._sorted_at = 0.0
+        self._name_width = COLUMNS[0][2]
+        self._heat_width = COLUMNS[2][2]
 
     def on_mount(self) -> None:
         for key, label, width in COLUMNS:  # fixed widths: nothing to measure on every rebuild
             self.add_column(label, key=key, width=width)
+
+    def on_resize(self) -> None:
+        """The name column gets the width the fixed columns leave (the last column was cut to "non-"
+        at 160 columns); rows are rebuilt so that names are shortened for the new width."""
+        fixed = sum(w for key, _, w in COLUMNS if key not in ("name", "heat")) + 2 * self.cell_padding * len(COLUMNS)
+        room = self.size.width - 2 - fixed  # 2: the scrollbar's gutter
+        heat = max(HEAT_MIN, min(COLUMNS[2][2], room - NAME_MIN))
+        name = max(NAME_MIN, min(NAME_MAX, room - heat))
+        if (name, heat) == (self._name_width, self._heat_width):
+            return
+        self._name_width, self._heat_width = name, heat
+        for key, width in (("name", name), ("heat", heat)):
+            column = self.columns.get(ColumnKey(key))
+            if column is not None:
+                column.width = width
+        self._order = []  # rebuild on the next show()
+        self._clear_caches()
+        self.refresh()
 
     def visible_window(self) -> tuple[int, int]:
         """The row range on screen now (plus a margin), the only rows whose cells are refreshed."""
@@ -164,13 +207,12 @@ class HeatTable(DataTable[Any]):
             return True
         return False
 
-    @staticmethod
-    def _cells(row: Any, heat: np.ndarray | None) -> tuple[Any, ...]:
+    def _cells(self, row: Any, heat: np.ndarray | None) -> tuple[Any, ...]:
         grad_style = "bold red" if not math.isfinite(row.grad_norm) else ""
         return (
-            Text(row.name, no_wrap=True, overflow="ellipsis"),
+            Text(shorten_middle(row.name, self._name_width), no_wrap=True, overflow="ellipsis"),
             Text(num(row.grad_norm, 3), style=grad_style, justify="right"),
-            heat_strip(heat) if heat is not None else Text(""),
+            heat_strip(heat[-self._heat_width:]) if heat is not None else Text(""),  # the newest steps
             Text(num(row.weight_norm, 3), justify="right"),
             Text(num(row.update_ratio, 2), justify="right"),
             nonfinite_cell(row.nonfinite, row.nonfinite_total),

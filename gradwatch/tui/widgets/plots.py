@@ -1,7 +1,7 @@
 """Line plots of recent steps that never crash on NaN/Inf and show non-finite points explicitly.
 
 Textual's Sparkline and textual-plotext both die on NaN or Inf (docs/design.md, "The viewer and terminals"). Every series goes
-through :func:`split_finite` first: finite points are drawn as a line, and steps whose value was
+through :func:`split_segments` first: finite runs are drawn as lines (never across a gap), and steps whose value was
 NaN/Inf are drawn as red vertical markers, so "the loss went NaN here" is visible at a glance.
 """
 
@@ -20,17 +20,37 @@ from gradwatch.text import num
 PLOT_BUCKETS = 160
 
 
-def split_finite(steps: np.ndarray, values: np.ndarray, log: bool) -> tuple[list[float], list[float], list[float]]:
-    """(x, y) of the drawable points and the x of the non-finite ones. On a log scale, values <= 0
-    cannot be drawn either; they are dropped (not marked: zero is a legitimate gradient norm)."""
+def split_segments(steps: np.ndarray, values: np.ndarray, log: bool) -> tuple[list[tuple[list[float], list[float]]], list[float]]:
+    """The drawable points as runs with no non-finite step between them (a line is never drawn across a
+    NaN gap), and the x of the non-finite steps. On a log scale the values are log10'd here (plotext's
+    own log axis drew the learning rate upside down), and values <= 0 are dropped without a gap."""
     steps = np.asarray(steps, dtype=np.float64)
     values = np.asarray(values, dtype=np.float64)
     finite = np.isfinite(values)
-    bad = steps[~finite]
+    bad = steps[~finite].tolist()
     ok = finite & (values > 0) if log else finite
     # plotext cannot scale +-1e308 either: clip to a range it can print
-    y = np.clip(values[ok], -1e300, 1e300)
-    return steps[ok].tolist(), y.tolist(), bad.tolist()
+    y = np.clip(np.where(ok, values, 1.0), 1e-300 if log else -1e300, 1e300)
+    if log:
+        y = np.log10(y)
+    run = np.cumsum(~finite)  # a new run after every non-finite step
+    segments = []
+    for r in np.unique(run[ok]):
+        sel = ok & (run == r)
+        segments.append((steps[sel].tolist(), y[sel].tolist()))
+    return segments, bad
+
+
+def step_ticks(lo: float, hi: float, count: int = 5) -> list[int]:
+    """Whole steps for the x axis (plotext chose 7.8, 15.5): about ``count`` round numbers in [lo, hi]."""
+    if hi <= lo:
+        return [int(round(lo))]
+    raw = (hi - lo) / max(1, count - 1)
+    mag = 10 ** math.floor(math.log10(raw)) if raw >= 1 else 1
+    step = next((m * mag for m in (1, 2, 5, 10) if m * mag >= raw), 10 * mag)
+    step = max(1, int(step))
+    first = int(math.ceil(lo / step) * step)
+    return list(range(first, int(math.floor(hi)) + 1, step)) or [int(round(lo))]
 
 
 def downsample(x: list[float], y: list[float], buckets: int) -> tuple[list[float], list[float]]:
@@ -75,29 +95,36 @@ class SeriesPlot(PlotextPlot):
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
-        x, y, bad = split_finite(steps, values, self.log_scale)
-        x, y = downsample(x, y, PLOT_BUCKETS)  # fixed, not the widget width: the same data draws the same
+        segments, bad = split_segments(steps, values, self.log_scale)
+        total = sum(len(xs) for xs, _ in segments)
         self.nonfinite_count = len(bad)
         suffix = f"  [{len(bad)} non-finite]" if bad else ""
         plt.title(f"{self.title}{' (log)' if self.log_scale else ''}{suffix}")
-        if self.log_scale and y:
-            plt.yscale("log")
-        if y:
-            plt.plot(x, y, marker="braille")
-            lo, hi = min(y), max(y)
+        all_y: list[float] = []
+        xs_all: list[float] = []
+        for xs, ys in segments:  # each run on its own: no line across a NaN gap
+            # at most ~2 points per column in all (fixed, not the widget width: the same data draws the same)
+            xs, ys = downsample(xs, ys, max(1, PLOT_BUCKETS * len(xs) // max(1, total)))
+            plt.plot(xs, ys, marker="braille", color="cyan")
+            all_y += ys
+            xs_all += (xs[0], xs[-1])
+        if all_y:
+            lo, hi = min(all_y), max(all_y)
             if hi > lo:  # compact tick labels: plotext would print 3657982826634018816.0
-                ticks = (np.geomspace(lo, hi, 4) if self.log_scale and lo > 0 else np.linspace(lo, hi, 4)).tolist()
-                plt.yticks(ticks, [num(t, 3) for t in ticks])
+                ticks = np.linspace(lo, hi, 4).tolist()
+                plt.yticks(ticks, [num(10 ** t if self.log_scale else t, 3) for t in ticks])
         for b in bad[-50:]:  # each non-finite step: a red marker line
             plt.vline(b, "red")
-        if not y and not bad:
+        if not all_y and not bad:
             plt.xlim(0, 1)
             plt.ylim(0, 1)
-        elif bad and not y:
+        elif bad and not all_y:
             plt.ylim(0, 1)
-        if x or bad:
-            lo = min(x[0] if x else math.inf, bad[0] if bad else math.inf)
-            hi = max(x[-1] if x else -math.inf, bad[-1] if bad else -math.inf)
+        if xs_all or bad:
+            lo = min(min(xs_all, default=math.inf), bad[0] if bad else math.inf)
+            hi = max(max(xs_all, default=-math.inf), bad[-1] if bad else -math.inf)
             if hi > lo:
                 plt.xlim(lo, hi)
+                ticks = step_ticks(lo, hi)
+                plt.xticks(ticks, [str(t) for t in ticks])
         self.refresh()
