@@ -272,7 +272,7 @@ def _normalise(svg: str) -> str:
     return re.sub(r"terminal-\d+", "terminal", svg)
 
 
-@pytest.mark.parametrize("size", [(100, 32), (160, 48)])
+@pytest.mark.parametrize("size", [(80, 24), (100, 32), (120, 40), (160, 48), (220, 60)])
 def test_snapshot_main_screen(size: tuple[int, int]) -> None:
     """Layout at two terminal sizes, against committed SVGs. Update on purpose only:
     GRADWATCH_UPDATE_SNAPSHOTS=1 ./scripts/test tests/test_tui_app.py -k snapshot"""

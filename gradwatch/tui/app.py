@@ -33,6 +33,7 @@ from gradwatch.tui.state import Conn, RunState
 from gradwatch.tui.widgets.alerts import AlertPane
 from gradwatch.tui.widgets.heat_table import MAX_ROWS, HeatTable
 from gradwatch.tui.widgets.plots import SeriesPlot
+from gradwatch.tui.widgets.sparks import SparkHeader
 from gradwatch.tui.widgets.status import StatusBar, status_text
 
 SORTS = ("anomaly", "grad", "nonfinite", "name")
@@ -43,6 +44,8 @@ FRAME_BUDGET = 0.35
 UI_CPU_BUDGET = 0.4
 #: Plots are redrawn at most this often (plotext is the most expensive part of a frame: ~20 ms a plot).
 PLOT_INTERVAL_S = 0.5
+#: Below this many (columns, rows) the plots give way to one sparkline each (plotext lost its titles).
+COMPACT_BELOW = (100, 30)
 #: Actions that act on a trainer: hidden for a replay or the synthetic demo.
 TRAINER_ACTIONS = frozenset({"pause_trainer", "debugger", "resume_trainer", "toggle_pause_on", "arm_activations"})
 
@@ -151,6 +154,7 @@ class GradwatchApp(PauseActions, App[None]):
                     yield SeriesPlot("total grad norm", id="plot-grad")
                     yield SeriesPlot("learning rate", id="plot-lr")
                     yield SeriesPlot("max update ratio", id="plot-update")
+                yield SparkHeader(id="sparks")  # instead of the plots where they would not be legible
                 yield Input(placeholder="regex filter on layer names (enter to apply, escape to clear)", id="filter")
                 yield HeatTable(id="table")
             with Vertical(id="right"):
@@ -251,14 +255,20 @@ class GradwatchApp(PauseActions, App[None]):
                 self.notify(f"the trainer paused at step {status['paused_step']}{': ' + why if why else ''}; "
                             f"d opens its debugger, c resumes it", severity="warning", timeout=8)
             waiting = status["name"] is None
-            if self.query_one("#waiting").display != waiting or self.query_one("#plots").display == waiting:
+            compact = self.compact
+            if (self.query_one("#waiting").display != waiting
+                    or self.query_one("#plots").display != (not waiting and not compact)
+                    or self.query_one("#sparks").display != (not waiting and compact)):
                 self.query_one("#waiting").display = waiting
-                self.query_one("#plots").display = not waiting
+                self.query_one("#plots").display = not waiting and not compact
+                self.query_one("#sparks").display = not waiting and compact
             if not full:
                 return
             self._view_dirty = False
             with self.batch_update():
-                if plots is not None:
+                if plots is not None and self.compact:
+                    self.query_one("#sparks", SparkHeader).show(plots, log=self.log_scale)
+                elif plots is not None:
                     self._draw_plots(plots)
                     self._next_plots = start + PLOT_INTERVAL_S * max(1.0, (self._cpu_share or 0.0) / UI_CPU_BUDGET)
                 if table is not None:
@@ -295,6 +305,15 @@ class GradwatchApp(PauseActions, App[None]):
                     frozen=self.frozen, paused=st.paused, paused_step=st.paused_step,
                     paused_for=st.paused_for(self._clock()), reason=st.conn_reason,
                     recording=getattr(self.recording, "summary", None), replay=self.source_kind == "replay")
+
+    @property
+    def compact(self) -> bool:
+        """Too small for four legible plots (80x24, a narrow split pane): sparklines instead."""
+        return self.size.width < COMPACT_BELOW[0] or self.size.height < COMPACT_BELOW[1]
+
+    def on_resize(self) -> None:
+        self._plots_stale = True  # plots or sparklines, whichever the new size shows, are drawn again
+        self._redraw()
 
     @property
     def source_kind(self) -> str:

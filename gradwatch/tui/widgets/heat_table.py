@@ -19,6 +19,7 @@ from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey
 
 from gradwatch.text import num
+from gradwatch.tui.widgets.sparks import BLOCKS
 
 COLUMNS = (("name", "layer", 30), ("grad", "grad norm", 10), ("heat", "recent steps (vs own median)", 28),
            ("weight", "weight norm", 11), ("update", "update ratio", 12), ("nf", "non-finite", 12))
@@ -52,15 +53,19 @@ _BAD = Style(color="white", bgcolor="red", bold=True)
 
 
 def heat_strip(values: np.ndarray) -> Text:
-    """One cell per step: blue (10x below its median) - grey - red (10x above); ! for non-finite."""
+    """One cell per step, a coloured sparkline of the layer's gradient norm against its own median: the
+    height is the log-deviation (bottom: 10x below, top: 10x above), the colour says the same for a glance
+    (blue - grey - red); ! (red) for non-finite, blank where the layer had no gradient."""
     t = Text(no_wrap=True)
+    top = len(BLOCKS) - 1
     for v in values.tolist():
         if v != v:
             t.append(" ")
         elif v in (math.inf, -math.inf):
             t.append("!", style=_BAD)
         else:
-            t.append("\u2588", style=_PALETTE[int(round((max(-1.0, min(1.0, v)) + 1.0) * 20))])
+            c = max(-1.0, min(1.0, v))
+            t.append(BLOCKS[int(round((c + 1.0) / 2.0 * top))], style=_PALETTE[int(round((c + 1.0) * 20))])
     return t
 
 
