@@ -500,3 +500,32 @@ def test_detail_cadence_depends_on_the_step_count_only(runtime: Path) -> None:
         assert [i for i, s in sorted(steps.items()) if s.weight_nonfinite is not None] == want  # checked there
         # each detail step's update is measured at the next boundary
         assert [s.update_step for _, s in sorted(steps.items()) if s.update_ratio is not None] == want
+
+
+def test_an_update_into_nan_weights_has_a_nan_ratio_not_zero(runtime: Path) -> None:
+    """A weight that turned NaN in the update: its update ratio is NaN (the viewer showed 0)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = gradwatch.watch(model, opt, detail_every=1, announce=False)
+    client = gradwatch.connect(gw.run_id)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for i in range(3):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        gw.step(loss)
+        opt.step()
+        opt.zero_grad()
+        if i == 0:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")  # poisoned by the update of step 0
+    steps, _ = drain(client, 3)
+    gw.close()
+    client.close()
+    into, out_of = steps[1].update_ratio, steps[2].update_ratio
+    assert steps[1].update_step == 0 and steps[2].update_step == 1 and into is not None and out_of is not None
+    # the update of step 0 wrote the NaN into tensor 0 only; the others moved by a finite ratio
+    assert math.isnan(into[0]) and all(math.isfinite(r) and r > 0 for r in list(into)[1:]), list(into)
+    # the update of step 1 started from NaN weights in tensor 0 (it read 0 there) and, through the NaN
+    # loss, made every tensor NaN: no ratio is a number
+    assert all(math.isnan(r) for r in out_of), list(out_of)

@@ -320,6 +320,9 @@ class GradProbe:
             wn = self._snap_wn
             # a weight that was exactly 0 (zero-initialised biases) was wholly replaced: ratio 1, not inf
             ratio = torch.where(wn > 0, dw / wn.clamp_min(torch.finfo(torch.float32).tiny), (dw > 0).float())
+            # NaN/Inf weights before or after the step: the ratio is unknown, say NaN (it read 0: `NaN > 0` is
+            # False and took the zero-weight branch), elementwise on the device, no sync
+            ratio = torch.where(torch.isfinite(wn) & torch.isfinite(dw), ratio, torch.full_like(ratio, math.nan))
             self._pending_ur = (self._snap_step, ratio)
         self._snap_active = False
 
