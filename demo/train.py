@@ -22,7 +22,9 @@ import argparse
 import dataclasses
 import itertools
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NoReturn, Sequence, TextIO
@@ -291,7 +293,7 @@ def run(args: argparse.Namespace, *, on_start: Callable[[Any], None] | None = No
             if on_end is not None:
                 on_end(gw)
         except KeyboardInterrupt:
-            gw.close()
+            gw.stop("interrupted")  # listed as stopped: a stop the user asked for, not a crash
             raise
     return losses
 
@@ -366,9 +368,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """scripts/demo stops its trainer with SIGTERM: unwind as Ctrl-C does, so the run is closed as stopped
+    (gradwatch installs no signal handler of its own: SIGTERM belongs to the script, torchrun and Slurm)."""
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # tiny models: threads cost more than they bring, and keep the box usable
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         run(args)
     except KeyboardInterrupt:  # the way to stop --loop (or any run): a clean exit, no traceback

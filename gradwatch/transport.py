@@ -33,7 +33,7 @@ from gradwatch.protocol import PROTOCOL_VERSION
 
 IPC_PATH_MAX = 107  # sun_path is 108 bytes including the NUL; libzmq refuses longer
 KEEP_ENDED_S = 7 * 24 * 3600  # connection files of ended runs are pruned after a week
-RUN_STATES = ("live", "finished", "crashed")
+RUN_STATES = ("live", "finished", "stopped", "crashed")
 
 
 class TransportError(RuntimeError):
@@ -291,7 +291,7 @@ def _with_state(info: RunInfo) -> RunInfo:
         else:
             state = "live"
     else:
-        state = "crashed" if info.status == "crashed" else "finished"
+        state = info.status if info.status in ("crashed", "stopped") else "finished"
     return dataclasses.replace(info, state=state)
 
 

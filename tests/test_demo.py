@@ -235,9 +235,11 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_cli_loop_restarts_fresh_and_stops_cleanly_on_ctrl_c(runtime_dir: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_loop_restarts_fresh_and_stops_cleanly_on_ctrl_c(runtime_dir: Path, sig: int) -> None:
     """--loop: every round starts from the same fresh model inside one gradwatch run (steps count
-    on, the round is a user scalar); SIGINT ends it with rc 0, no traceback, the run 'finished'."""
+    on, the round is a user scalar); SIGINT (Ctrl-C) or SIGTERM (how scripts/demo stops it) ends it with
+    rc 0, no traceback, the run 'stopped': listed apart from a crash (it said "crashed" after SIGTERM)."""
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "explode", "--loop", "--steps", "5"],
                             cwd=ROOT, env=subprocess_env(runtime_dir), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
@@ -260,7 +262,7 @@ def test_cli_loop_restarts_fresh_and_stops_cleanly_on_ctrl_c(runtime_dir: Path) 
                     steps.append(msg)
                     if msg.step >= 9:
                         break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=15)
     finally:
         if proc.poll() is None:
@@ -273,7 +275,7 @@ def test_cli_loop_restarts_fresh_and_stops_cleanly_on_ctrl_c(runtime_dir: Path) 
     assert [s.user.get("round") for s in steps[:10]] == [1.0] * 5 + [2.0] * 5
     assert [str(s.loss) for s in steps[5:10]] == [str(s.loss) for s in steps[:5]], "round 2 is not a fresh start"
     runs = gradwatch.runs()
-    assert [(r.name, r.state) for r in runs] == [("explode", "finished")]
+    assert [(r.name, r.state) for r in runs] == [("explode", "stopped")]
 
 
 def test_cli_rejects_unknown_scenario_in_one_line(runtime_dir: Path) -> None:

@@ -44,6 +44,9 @@ class NullWatcher:
     def close(self) -> None:
         pass
 
+    def stop(self, why: str = "stopped") -> None:
+        pass
+
     def __enter__(self) -> NullWatcher:
         return self
 

@@ -446,7 +446,15 @@ class Watcher:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
+            self._close(crashed=None, stopped=exc_type.__name__)  # Ctrl-C, sys.exit: a stop, not a crash
+            return
         self._close(crashed=f"{exc_type.__name__}: {exc}"[:500] if exc_type is not None else None)
+
+    def stop(self, why: str = "stopped") -> None:
+        """Close as *stopped*: a stop the user asked for (a SIGTERM handler, Ctrl-C), listed apart from a
+        finished run and from a crash. Safe to call twice; never raises."""
+        self._close(crashed=None, stopped=why)
 
     # ------------------------------------------------------------------ internals
 
@@ -789,7 +797,7 @@ class Watcher:
         if self.endpoint is not None:
             transport.remove_socket(self.endpoint)
 
-    def _close(self, crashed: str | None) -> None:
+    def _close(self, crashed: str | None, stopped: str | None = None) -> None:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
@@ -797,13 +805,15 @@ class Watcher:
             self._remove_hooks()
             self._stop_control()
             if self.sender is not None and self.disabled_reason is None:
-                final = ("crashed", crashed) if crashed else ("finished", f"{self._step} steps")
+                final = (("crashed", crashed) if crashed else
+                         ("finished", f"stopped ({stopped}) after {self._step} steps") if stopped else
+                         ("finished", f"{self._step} steps"))
                 self.sender.stop(final=final, timeout=1.0)
                 if not self.sender.is_alive() and self._ctx is not None:
                     self._ctx.destroy(linger=0)
             self._stop_auth()
             if self.disabled_reason is None:
-                self._mark_ended("crashed" if crashed else "finished")
+                self._mark_ended("crashed" if crashed else "stopped" if stopped else "finished")
         except Exception:  # noqa: BLE001
             pass
 

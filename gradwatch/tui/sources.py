@@ -292,8 +292,9 @@ class LiveSource(Source):
                     next_check = now + 0.5
                     state = self._state(info)
                     if state != "live":
-                        conn = {"finished": "FINISHED", "crashed": "CRASHED"}.get(state, "LOST")
-                        why = {"finished": "has finished", "crashed": "is gone (its process died without closing)"}
+                        conn = {"finished": "FINISHED", "stopped": "FINISHED", "crashed": "CRASHED"}.get(state, "LOST")
+                        why = {"finished": "has finished", "stopped": "was stopped (Ctrl-C, SIGTERM)",
+                               "crashed": "is gone (its process died without closing)"}
                         out.conn(conn, f"run {name} {why.get(state, 'disappeared (no connection file)')}")
                         out.counters(dict(client.rejected), client.received)
                         out.flush()
