@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from collections import deque
@@ -276,6 +277,46 @@ def cmd_ssh(args: argparse.Namespace) -> int:
         return _run_viewer(app)
 
 
+def cmd_recordings(args: argparse.Namespace) -> int:
+    """``gradwatch recordings [clean]``: what the recordings directory holds, and making room in it."""
+    from gradwatch.record._common import recordings_dir
+    from gradwatch.record.catalog import delete, list_recordings, select_for_cleaning
+    from gradwatch.tui.recording import human
+
+    d = recordings_dir()
+    recs = list_recordings(d, read_end=args.action != "clean")
+    if args.action == "clean":
+        if args.older_than is None and args.max_total is None:
+            raise SystemExit("gradwatch: error: clean needs --older-than and/or --max-total (see --help)")
+        doomed = select_for_cleaning(recs, older_than=args.older_than, max_total=args.max_total)
+        freed = 0
+        for r in doomed:
+            problems = [] if args.dry_run else delete(r)
+            for p in problems:
+                print(f"gradwatch: {clean(p, 300)}", file=sys.stderr)
+            freed += r.bytes
+            print(f"{'would remove' if args.dry_run else 'removed'} {clean(r.stem, 100)} "
+                  f"({len(r.parts)} part{'s' * (len(r.parts) > 1)}, {human(r.bytes)})")
+        kept = sum(r.bytes for r in recs) - freed
+        print(f"gradwatch: {'would free' if args.dry_run else 'freed'} {human(freed)}; {human(kept)} kept in {d}",
+              file=sys.stderr)
+        return 0
+    if args.json:
+        print(json.dumps([r.to_json() for r in recs], indent=1))
+        return 0
+    if not recs:
+        print(f"no recordings in {d}", file=sys.stderr)
+        return 0
+    now = time.time()
+    print(f"{'RECORDING':<48} {'PARTS':>5} {'SIZE':>7} {'AGE':>5} {'STEPS':>15}  END")
+    for r in recs:
+        steps = f"{r.steps[0]}-{r.steps[1]}" if r.steps else "-"
+        print(f"{clean(r.stem, 48):<48} {len(r.parts):>5} {human(r.bytes):>7} {_age(now - r.modified):>5} "
+              f"{steps:>15}  {r.end}")
+    print(f"gradwatch: {len(recs)} recordings, {human(sum(r.bytes for r in recs))} in {d}", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from gradwatch.tui.app import make_app
     from gradwatch.tui.sources import SyntheticSource
@@ -361,6 +402,17 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("file")
     replay.add_argument("--speed", type=_positive_float, default=1.0, help="replay speed factor (default 1)")
     replay.add_argument("--follow", action="store_true", help="keep reading as the file grows")
+    recs = sub.add_parser("recordings", help="list the session recordings and flight records, or clean them up",
+                          epilog="examples:\n  gradwatch recordings\n  gradwatch recordings clean --older-than 14d "
+                                 "--dry-run\n  gradwatch recordings clean --max-total 5G",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    recs.add_argument("action", nargs="?", choices=("list", "clean"), default="list")
+    recs.add_argument("--json", action="store_true", help="machine-readable list")
+    recs.add_argument("--older-than", type=_duration, metavar="AGE",
+                      help="clean: remove recordings not written to for this long (30m, 12h, 7d)")
+    recs.add_argument("--max-total", type=_bytes, metavar="SIZE",
+                      help="clean: then remove the oldest until the rest takes at most SIZE (e.g. 5G)")
+    recs.add_argument("--dry-run", action="store_true", help="clean: say what would go, remove nothing")
     export = sub.add_parser("export", help="convert a recording to CSV or JSON lines", epilog="examples:\n  gradwatch export run.gwrec --format csv -o run.csv\n  gradwatch export run.gwrec --format jsonl | jq 'select(.event == \"alert\")'",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     export.add_argument("file")
@@ -384,6 +436,22 @@ def _positive_int(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {s!r}")
     return v
+
+
+def _bytes(s: str) -> int:
+    from gradwatch.tui.recording import parse_bytes
+
+    try:
+        return parse_bytes(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _duration(s: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {s!r} (examples: 90s, 30m, 12h, 7d, 2w)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
 
 
 def _lines(s: str) -> int | None:
@@ -436,7 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     commands = {"ls": cmd_ls, "tail": cmd_tail, "export": cmd_export, "replay": cmd_replay, "demo": cmd_demo,
-                "debug": cmd_debug, "attach": cmd_view, "ssh": cmd_ssh, None: cmd_view}
+                "debug": cmd_debug, "attach": cmd_view, "ssh": cmd_ssh, "recordings": cmd_recordings,
+                None: cmd_view}
     return commands[args.command](args)
 
 

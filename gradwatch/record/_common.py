@@ -63,6 +63,16 @@ def _sanitize(text: str, max_len: int = 60) -> str:
     return out or "run"
 
 
+def recordings_dir() -> Path:
+    """``$GRADWATCH_RECORD_DIR``, else ``$XDG_STATE_HOME/gradwatch/recordings`` (``~/.local/state/...``)."""
+    env = os.environ.get("GRADWATCH_RECORD_DIR")
+    if env:
+        return Path(env).expanduser()
+    state = os.environ.get("XDG_STATE_HOME", "")
+    root = Path(state) if state and os.path.isabs(state) else Path.home() / ".local" / "state"
+    return root / "gradwatch" / "recordings"
+
+
 def default_recording_path(name: str, run: str, when: float | None = None) -> Path:
     """Where the viewer records a session: ``<dir>/<name>-<run>-<YYYYmmdd-HHMMSS>.gwrec``.
 
@@ -73,13 +83,7 @@ def default_recording_path(name: str, run: str, when: float | None = None) -> Pa
     name is taken (two sessions in the same second), ``-1``, ``-2``... is appended before the
     suffix; :class:`Recorder` still refuses to open an existing file, so a race cannot clobber one.
     """
-    env = os.environ.get("GRADWATCH_RECORD_DIR")
-    if env:
-        base = Path(env).expanduser()
-    else:
-        state = os.environ.get("XDG_STATE_HOME", "")
-        root = Path(state) if state and os.path.isabs(state) else Path.home() / ".local" / "state"
-        base = root / "gradwatch" / "recordings"
+    base = recordings_dir()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if when is None else when))
     stem = f"{_sanitize(name)}-{_sanitize(run)}-{stamp}"

@@ -37,12 +37,17 @@ MIN_PART_BYTES = 256 * 1024
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
-    """``"1G"``, ``"500M"``, ``"64MiB"``, ``"0"`` (no cap) -> bytes; ValueError with a one-line reason."""
+def parse_bytes(text: str) -> int:
+    """``"1G"``, ``"500M"``, ``"64MiB"``, ``"12k"``, ``"0"`` -> bytes; ValueError with a one-line reason."""
     m = _SIZE.match(text)
     if not m:
         raise ValueError(f"{text!r} is not a size (examples: 1G, 500M, 0 for no cap)")
-    value = float(m.group(1)) * 1024 ** "_kmgt".index((m.group(2) or "_").lower())
+    return int(float(m.group(1)) * 1024 ** "_kmgt".index((m.group(2) or "_").lower()))
+
+
+def parse_size(text: str) -> int:
+    """A recording cap: :func:`parse_bytes`, at least 1 MiB, or 0 for no cap."""
+    value = parse_bytes(text)
     if value and value < PARTS * MIN_PART_BYTES:
         raise ValueError(f"{text!r} is too small: the smallest cap is {PARTS * MIN_PART_BYTES >> 20} MiB (0: no cap)")
     return int(value)
