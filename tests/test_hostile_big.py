@@ -133,7 +133,7 @@ def test_rotation_keeps_the_newest_parts_within_the_cap(tmp_path: Path, monkeypa
     rec.close()
     files = rec.files
     assert rec.keep == keep and len(files) == keep and rec.dropped_parts > 0 and not rec.cramped
-    assert sorted(tmp_path.iterdir()) == sorted(files)  # dropped parts are deleted, not left behind
+    assert sorted(tmp_path.glob("*.gwrec")) == sorted(files)  # dropped parts are deleted, not left behind
     step_bytes = len(P.pack_body(_step(0, n))) + 64
     assert sum(f.stat().st_size for f in files) <= cap + keep * step_bytes
     parts = _parts_replay_alone(files)

@@ -70,3 +70,32 @@ def test_clean_by_age_and_by_total_size_removes_whole_recordings(recdir: Path) -
     assert everything.returncode == 0 and not list(recdir.glob("*.gwrec")) and (recdir / "notes.txt").exists()
     bad = _cli(recdir, "clean")
     assert bad.returncode != 0 and "needs --older-than" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_one_recording_per_run_among_viewers_and_a_take_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three viewers used to write three copies: now the first records, the second reuses its file (and
+    says so), and takes over in a new file when the first quits."""
+    from gradwatch.record import read_recording
+    from gradwatch.tui.recording import SessionRecorder
+
+    monkeypatch.setenv("GRADWATCH_RECORD_DIR", str(tmp_path))
+    msgs = list(synthetic_messages(seed=4, layers=3, steps=60))
+    first, second = SessionRecorder(takeover_s=0.0), SessionRecorder(takeover_s=0.0)
+    for m in msgs[:30]:
+        first.write(m)
+        second.write(m)
+    assert len(first.files) == 1 and not second.files and second.follower
+    assert second.summary == f"shared: {first.files[0].name} (another viewer records this run)"
+    first.close()  # the recording viewer quits
+    for m in msgs[30:]:
+        second.write(m)
+    second.close()
+    assert len(second.files) == 1 and second.files[0] != first.files[0]
+    got = [m for _, m in read_recording(second.files[0])]
+    assert isinstance(got[0], P.Schema) and got[0].run == msgs[0].run  # the take-over file replays alone
+    assert [m.step for m in got if isinstance(m, P.Step)][-1] == max(m.step for m in msgs if isinstance(m, P.Step))
+    assert sorted(p.name for p in tmp_path.glob("*.gwrec")) == sorted([first.files[0].name, second.files[0].name])
+    third = SessionRecorder(takeover_s=0.0)  # nobody records now: the next viewer records at once
+    third.write(msgs[0])
+    assert third.files and not third.follower
+    third.close()

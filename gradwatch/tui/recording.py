@@ -31,6 +31,8 @@ from gradwatch.protocol import Schema
 DEFAULT_MAX_BYTES = 1 << 30
 #: Files the cap is split into: rotation drops a quarter of the recording at a time.
 PARTS = 4
+#: A viewer that found its run recorded by another one checks this often whether it should take over.
+TAKEOVER_S = 5.0
 #: Smallest part: below this a rotation would happen every few steps.
 MIN_PART_BYTES = 256 * 1024
 
@@ -71,7 +73,12 @@ class SessionRecorder:
     """
 
     def __init__(self, directory: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                 parts: int = PARTS) -> None:
+                 parts: int = PARTS, takeover_s: float = TAKEOVER_S) -> None:
+        self.takeover_s = float(takeover_s)
+        self.follower = False  # another viewer of this user records the run (gradwatch.tui.run_lock)
+        self.shared_with: str | None = None
+        self._runlock: Any = None
+        self._retry_at = 0.0
         self.max_bytes = max(0, int(max_bytes))
         self.parts = max(2, int(parts))
         #: Parts kept on disk and data bytes per part (after its schema), planned from the schema's size.
@@ -99,11 +106,18 @@ class SessionRecorder:
             if self.error is not None:
                 return
             try:
-                rec = self._rec
                 if isinstance(msg, Schema):
                     if msg.run != self._run:
                         self._start(msg)
                     self._schema = (msg, t)
+                if self.follower:
+                    if time.monotonic() < self._retry_at or not self._take_over():
+                        return
+                    if isinstance(msg, Schema):
+                        return  # the take-over has just written it
+                rec = self._rec
+                if isinstance(msg, Schema):
+                    pass  # a schema opens a part (above), it never closes one
                 elif rec is not None and getattr(rec, "failed", False):
                     self._check()
                     return
@@ -131,17 +145,48 @@ class SessionRecorder:
         self.data_bytes = max(MIN_PART_BYTES, self.max_bytes // keep - base, base if self.cramped else 0)
 
     def _start(self, schema: Schema) -> None:
-        from gradwatch.record import default_recording_path
+        from gradwatch.record._common import _sanitize, recordings_dir
+        from gradwatch.tui.run_lock import RunLock
 
         self._close_locked()
-        self._first = default_recording_path(schema.name, schema.run)
+        self.shared_with = None
         self._run = schema.run
         self._files.clear()
         self._closed_bytes = 0
         self._base = 0
         self.part = 0
         self.dropped_parts = 0
+        self._first = None
+        directory = recordings_dir()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._runlock = RunLock(directory / f".{_sanitize(schema.name)}-{_sanitize(schema.run)}.lock")
+        self._schema_name = schema.name
+        if self._runlock.acquire():
+            self._begin()
+        else:  # another viewer records this run: reuse its recording, and take over if it quits
+            self.follower = True
+            self._retry_at = time.monotonic() + self.takeover_s
+            where = self._runlock.holder()
+            self.display = f"(recorded by another viewer: {where or 'its own file'})"
+
+    def _begin(self) -> None:
+        from gradwatch.record import default_recording_path
+
+        assert self._run is not None
+        self._first = default_recording_path(self._schema_name, self._run)
         self._open(self._first)
+
+    def _take_over(self) -> bool:
+        """The recording viewer has quit (its lock is gone): record from here on, schema first."""
+        self._retry_at = time.monotonic() + self.takeover_s
+        if self._runlock is None or not self._runlock.acquire():
+            return False
+        self.follower = False
+        self._begin()
+        if self._schema is not None:
+            self._rec.write(*self._schema)
+            self._plan(self._rec.bytes + self._rec.pending)
+        return True
 
     def _open(self, path: Path) -> None:
         from gradwatch.record import Recorder
@@ -150,6 +195,8 @@ class SessionRecorder:
         self.part += 1
         self._files.append(path)
         self.display = str(path)
+        if self._runlock is not None:
+            self._runlock.note(str(path))  # where the other viewers of this run can find it
 
     def _rotate(self) -> None:
         """Close the full part, open the next (schema first), delete the oldest beyond ``keep``."""
@@ -194,6 +241,9 @@ class SessionRecorder:
         """What the status bar shows: ``<file> 212M/1.0G`` (``part 3``, ``2 dropped`` once rotating)."""
         if self.error is not None or self.display is None:
             return self.display
+        if self.follower:
+            where = self._runlock.holder() if self._runlock is not None else ""
+            return f"shared: {os.path.basename(where) or '?'} (another viewer records this run)"
         text = f"{os.path.basename(self.display)} {human(self.total_bytes)}"
         text += f"/{human(self.max_bytes)}" if self.max_bytes else " (no cap)"
         if self.cramped:
@@ -209,6 +259,8 @@ class SessionRecorder:
 
     def farewell(self) -> str | None:
         """The line printed when the viewer exits: where the session is, and what the cap removed."""
+        if self.shared_with is not None:
+            return f"this session was recorded by another viewer, to {self.shared_with or 'its own file'}"
         if self.error is not None or self.display is None or self._first is None:
             return None
         if len(self._files) == 1 and not self.dropped_parts:
@@ -238,6 +290,12 @@ class SessionRecorder:
             self._close_locked()
 
     def _close_locked(self) -> None:
+        if self._runlock is not None:
+            if self.follower:  # for the farewell: where the other viewer recorded this run
+                self.shared_with = self._runlock.holder()
+            self._runlock.release()
+            self._runlock = None
+        self.follower = False
         if self._rec is not None:
             try:
                 self._rec.close()
