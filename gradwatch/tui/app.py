@@ -30,6 +30,7 @@ from gradwatch.tui.keys import commands, help_rows, load_config
 from gradwatch.tui.malloc import release_big_buffers
 from gradwatch.tui.sources import Source
 from gradwatch.tui.state import Conn, RunState
+from gradwatch.tui.widgets.activations import ActivationPanel
 from gradwatch.tui.widgets.alerts import AlertPane
 from gradwatch.tui.widgets.heat_table import MAX_ROWS, HeatTable
 from gradwatch.tui.widgets.plots import SeriesPlot
@@ -160,6 +161,7 @@ class GradwatchApp(PauseActions, App[None]):
             with Vertical(id="right"):
                 yield Static("alerts", id="alerts-title")
                 yield AlertPane(id="alerts")
+                yield ActivationPanel(id="activations")  # appears when activation statistics arrive
         yield Footer()
 
     def on_mount(self) -> None:
@@ -249,6 +251,7 @@ class GradwatchApp(PauseActions, App[None]):
                     alerts = [a for a in self.state.alerts if a.kind not in self.silenced_kinds
                               and (a.layer is None or a.layer not in self.silenced_layers)]
                     hidden = len(self.state.alerts) - len(alerts)
+                    acts = (self.state.activations, self.state.modules, self.state.last_step)
             self.query_one("#status", StatusBar).update(status_text(**status))
             if newly_paused and self.debug_console is None:
                 why = self.state.pause_reason
@@ -276,6 +279,7 @@ class GradwatchApp(PauseActions, App[None]):
                     self._table_stale = self.query_one("#table", HeatTable).show(
                         rows, heats.get, keep=self.selected_layer, force=force, matched=matched, sort=self.sort_key)
                 self.query_one("#alerts", AlertPane).show(alerts)
+                self.query_one("#activations", ActivationPanel).show(*acts)
                 self.query_one("#alerts-title", Static).update(
                     f"alerts ({len(alerts)}" + (f", {hidden} silenced: u shows them" if hidden else "") + ")")
         except Exception as exc:  # noqa: BLE001 - a drawing bug must not kill the viewer: count and show it

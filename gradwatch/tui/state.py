@@ -300,6 +300,9 @@ class RunState:
         self._fired: dict[tuple[str, str | None], list[list[int]]] = {}
         self._rate_t: float | None = None
         self._rate_step = 0
+        #: (step, ActStats) of the newest step that carried activation statistics (armed with A, or
+        #: after a NaN from clean weights), for the activations panel
+        self.activations: tuple[int, Any] | None = None
         # names and module grouping
         if schema is None:
             self.names: list[str] = []
@@ -434,6 +437,8 @@ class RunState:
         step = s.step
         if step in self._slot_of:
             return  # a duplicate (history overlapping live data)
+        if s.act is not None and (self.activations is None or step >= self.activations[0]):
+            self.activations = (step, s.act)
         n = self.n
         gn = _f32(s.grad_norm)
         if len(gn) != n:
