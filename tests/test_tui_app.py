@@ -362,3 +362,65 @@ def test_silence_an_alert_kind_or_layer_and_undo() -> None:
             assert len(pane._alerts) == total and len(app.state.alerts) == total  # hidden, never dropped
 
     asyncio.run(go())
+
+
+def _svg_text(svg: str) -> str:
+    import html
+
+    return "".join(html.unescape(t).replace("\xa0", " ") for t in re.findall(r"<text[^>]*>([^<]*)</text>", svg))
+
+
+class _Stress(Source):
+    """A finished run as a user's worst case: long dotted names, a NaN stretch, counts in the tens of
+    thousands; played at once, so the picture is the same on every run."""
+
+    label = "stress"
+    kind = "synthetic"  # no trainer behind it: no trainer actions in the footer
+
+    def run(self, emit: Callable[..., None], cancelled: Callable[[], bool]) -> None:
+        import dataclasses
+
+        from gradwatch.protocol import Schema as _Schema
+        from gradwatch.protocol import Step as _Step
+
+        msgs: list[Any] = []
+        for m in synthetic_messages(seed=3, layers=12, steps=160, nan_at=100, spike_at=60):
+            if isinstance(m, _Schema):
+                params = tuple(dataclasses.replace(p, name=f"transformer.blocks.{i // 2}.self_attention.output_projection."
+                                                         f"{'weight' if i % 2 == 0 else 'bias'}")
+                               for i, p in enumerate(m.params))
+                m = dataclasses.replace(m, params=params)
+            elif isinstance(m, _Step) and m.nonfinite:
+                m = dataclasses.replace(m, nonfinite={i: 16384 for i in m.nonfinite})
+            msgs.append(m)
+        emit(msgs, {"conn": "LIVE", "reason": "", "rejected": {}, "received": len(msgs)})
+        while not cancelled():
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (160, 48), (220, 60)])
+def test_snapshot_worst_case_with_log_scale(size: tuple[int, int]) -> None:
+    """Long names (shortened in the middle), a NaN stretch (no line across it, red markers), counts of
+    16384 (16.4k), on a log scale (largest value on top), at four sizes (sparklines at 80x24)."""
+    path = SNAPSHOTS / f"worst_case_{size[0]}x{size[1]}.svg"
+
+    async def go() -> str:
+        app = make_app(lambda: _Stress())
+        async with app.run_test(size=size) as pilot:
+            await settle(pilot, app, finished(app))
+            await pilot.press("l")
+            await pilot.pause(0.8)
+            await settle(pilot, app, lambda: app.log_scale)
+            return app.export_screenshot()
+
+    svg = asyncio.run(go())
+    if os.environ.get("GRADWATCH_UPDATE_SNAPSHOTS") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(svg, encoding="utf-8")
+    expected = path.read_text(encoding="utf-8")
+    if _normalise(svg) != _normalise(expected):
+        failed = path.with_suffix(".actual.svg")
+        failed.write_text(svg, encoding="utf-8")
+        pytest.fail(f"the worst case at {size} differs from {path.name}; see {failed}")
+    text = _svg_text(svg)
+    assert " step" in text and "\u2026" in text and "(log)" in text or size == (80, 24), (size, text[-600:])

@@ -79,7 +79,8 @@ def test_names_are_shortened_in_the_middle_and_counts_fit() -> None:
     assert shorten_middle("blocks.layers.0.self_attn.out_proj.weight", 30) == "blocks.la\u2026attn.out_proj.weight"
     assert len(shorten_middle("x" * 200, 14)) == 14 and shorten_middle("fc.weight", 30) == "fc.weight"
     assert compact(16384) == "16.4k" and compact(561) == "561" and compact(2_100_000) == "2.1M"
-    assert nonfinite_cell(0, 561).plain == "561 before" and nonfinite_cell(16384, 0).plain == "16.4k"
+    assert nonfinite_cell(0, 561).plain == "561 steps" and nonfinite_cell(0, 1).plain == "1 step"
+    assert nonfinite_cell(16384, 3).plain == "16.4k"  # elements in the newest step come first
 
 
 def _texts(svg: str) -> str:

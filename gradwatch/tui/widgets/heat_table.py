@@ -77,11 +77,11 @@ def compact(n: int) -> str:
 
 
 def nonfinite_cell(count: int, total: int) -> Text:
-    """Non-finite elements in the newest step, or (dim red) how many there were before: "561 before"."""
+    """Non-finite elements in the newest step, or (red) in how many earlier steps there were some: "561 steps"."""
     if count:
         return Text(">=1" if count < 0 else compact(count), style="bold white on red", justify="right")
     if total:
-        return Text(f"{compact(total)} before", style="red", justify="right")
+        return Text(f"{compact(total)} step{'s' * (total != 1)}", style="red", justify="right")
     return Text("0", style="dim", justify="right")
 
 
