@@ -284,7 +284,11 @@ def test_snapshot_main_screen(size: tuple[int, int]) -> None:
             await settle(pilot, app, finished(app))
             return app.export_screenshot()
 
-    svg = asyncio.run(go())
+    _compare(asyncio.run(go()), path, f"the main screen at {size}")
+
+
+def _compare(svg: str, path: Path, what: str) -> None:
+    """Against the committed SVG; GRADWATCH_UPDATE_SNAPSHOTS=1 rewrites it (on purpose only)."""
     if os.environ.get("GRADWATCH_UPDATE_SNAPSHOTS") == "1":
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(svg, encoding="utf-8")
@@ -292,7 +296,7 @@ def test_snapshot_main_screen(size: tuple[int, int]) -> None:
     if _normalise(svg) != _normalise(expected):
         failed = path.with_suffix(".actual.svg")
         failed.write_text(svg, encoding="utf-8")
-        pytest.fail(f"the main screen at {size} differs from {path.name}; see {failed}")
+        pytest.fail(f"{what} differs from {path.name}; see {failed}")
 
 
 def test_replay_of_a_real_recording() -> None:
@@ -414,13 +418,6 @@ def test_snapshot_worst_case_with_log_scale(size: tuple[int, int]) -> None:
             return app.export_screenshot()
 
     svg = asyncio.run(go())
-    if os.environ.get("GRADWATCH_UPDATE_SNAPSHOTS") == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(svg, encoding="utf-8")
-    expected = path.read_text(encoding="utf-8")
-    if _normalise(svg) != _normalise(expected):
-        failed = path.with_suffix(".actual.svg")
-        failed.write_text(svg, encoding="utf-8")
-        pytest.fail(f"the worst case at {size} differs from {path.name}; see {failed}")
+    _compare(svg, path, f"the worst case at {size}")
     text = _svg_text(svg)
     assert " step" in text and "\u2026" in text and "(log)" in text or size == (80, 24), (size, text[-600:])
