@@ -162,6 +162,7 @@ class Watcher:
         self._closed = False
         self.disabled_reason: str | None = None
         self._act_armed = 0
+        self._act_silent = 0  # consecutive hooked steps in which no forward hook ran (torch.compile)
         self._missed: dict[str, int] = {}
         self._missed_dev: dict[str, torch.Tensor] = {}
         self._detail_every = cfg.detail_every if cfg.detail_every is not None else DETAIL_EVERY
@@ -653,6 +654,11 @@ class Watcher:
             if stats is not None:
                 parts.add("act", stats)
                 meta["act_modules"] = order
+                self._act_silent = 0
+            else:
+                self._act_silent += 1
+                if self._act_silent == ACT_SILENT_STEPS:  # said once per silence, not every step
+                    self._emit("warning", self._step, ACT_SILENT_MESSAGE, {"steps": ACT_SILENT_STEPS})
         for name, t in self._missed_dev.items():
             parts.add(f"missed:{name}", t)
         self._missed_dev = {}
@@ -850,6 +856,14 @@ def _plain_scalars(user: dict[str, Any], parts: Parts) -> dict[str, Any]:
             except (TypeError, ValueError):
                 continue
     return out
+
+
+#: Hooked steps without a single forward hook call before the trainer says why (docs/design.md, Torch 8).
+ACT_SILENT_STEPS = 2
+ACT_SILENT_MESSAGE = ("activation statistics are armed, but no module's forward hook ran in 2 steps: a model "
+                      "compiled with torch.compile does not call hooks added after it was compiled (no recompile, "
+                      "no statistics). Pass activations=1 to gradwatch.watch() before compiling (hooks traced "
+                      "with the model: no graph break), or run the eager model for these steps")
 
 
 def _with_seq(schema: protocol.Schema, seq: int, ts: float) -> protocol.Schema:
