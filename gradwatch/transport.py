@@ -458,7 +458,7 @@ def find_run(spec: str | None, base: Path | None = None, *, runs: list[RunInfo] 
     :class:`TransportError` with a one-line message when nothing (or nothing unique) matches.
     ``runs`` (newest first) replaces this machine's runs, ``where`` says where they came from (a remote).
     """
-    if runs is None and spec is not None and (spec.endswith(".json") or os.sep in spec) and "://" not in spec:
+    if spec is not None and (spec.endswith(".json") or os.sep in spec) and "://" not in spec:
         return read_connection_file(spec)
     if runs is None:
         runs, _problems = list_runs(base)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-import os
 import queue
 import threading
 import time
@@ -227,10 +226,7 @@ class LiveSource(Source):
         return list_runs()[0]
 
     def _resolve(self, runs: list[RunInfo]) -> RunInfo:
-        spec = self.spec
-        if spec is not None and (spec.endswith(".json") or os.sep in spec) and "://" not in spec:
-            return find_run(spec)  # a connection file, read as it is
-        return find_run(spec, runs=runs)
+        return find_run(self.spec, runs=runs)  # a connection file is read as it is
 
     def _state(self, info: RunInfo) -> str:
         """live / finished / crashed / gone, now."""
