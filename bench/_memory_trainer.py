@@ -88,7 +88,7 @@ def main() -> int:
                                "rss_kib": rss_kib()}
     if gw is not None:
         time.sleep(0.5)  # let the sender drain its queue into the socket
-        info.update(published=gw._published, sender=dict(gw.sender.counters) if gw.sender else None,
+        info.update(published=gw._collector.published, sender=dict(gw.sender.counters) if gw.sender else None,
                     trainer_errors=gw._errors, history=len(gw.sender._history) if gw.sender else None,
                     history_bytes=gw.sender._history_bytes if gw.sender else None)
     emit(event="steps_done", **info)

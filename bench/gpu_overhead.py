@@ -335,7 +335,7 @@ def attach(r: Runner, kind: str) -> None:
 
 
 def gw_state(gw: Any) -> dict[str, Any]:
-    return {"published": gw._published, "trainer_errors": gw._errors, "disabled_reason": gw.disabled_reason,
+    return {"published": gw._collector.published, "trainer_errors": gw._errors, "disabled_reason": gw.disabled_reason,
             "sender_counters": dict(gw.sender.counters) if gw.sender is not None else None,
             "sender_last_error": gw.sender.last_error if gw.sender is not None else None}
 

@@ -210,7 +210,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     gw_info: dict[str, Any] = {}
     for v in variants.values():
         if v.gw is not None:
-            published = v.gw._published
+            published = v.gw._collector.published
             counters = dict(v.gw.sender.counters) if v.gw.sender is not None else {}
             errors = v.gw._errors
             t0 = time.perf_counter()

@@ -100,7 +100,7 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
             loss.backward()
-            detail = is_detail(gw._published, gw._detail_every)
+            detail = is_detail(gw._collector.published, gw._collector.detail_every)
             if timers is not None:
                 timers.acc.clear()
             t0 = pc()
@@ -163,12 +163,12 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
     undo.append(lambda: setattr(sender, "msgpack", real_msgpack))
     bucket: dict[str, list[float]] = defaultdict(list)
     snd = gw.sender
-    cpu0, pub0 = thread_cpu(snd), gw._published
+    cpu0, pub0 = thread_cpu(snd), gw._collector.published
     t_wall = time.perf_counter()
     train(steps, True, timers, bucket)
     t_wall = time.perf_counter() - t_wall
     time.sleep(0.3)  # let the sender drain
-    cpu1, pub1 = thread_cpu(snd), gw._published
+    cpu1, pub1 = thread_cpu(snd), gw._collector.published
     for u in undo:
         u()
     segs_nodata = train(steps, False, None, None)

@@ -10,8 +10,10 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$stam
   echo "gradwatch: setting up $venv (first run takes a minute or two)..." >&2
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   # torch==2.13.0 is pinned so that pip takes the CPU build on disk instead of a multi-GB CUDA build.
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" >&2
+  # then the project, its test tools and the frameworks of gradwatch.integrations, torch held where it is
   "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-      "torch==2.13.0" -e "$root[test]" >&2
+      "torch==2.13.0" -e "$root[test,frameworks]" >&2
   echo "$stamp_want" > "$stamp_file"
 fi
 # tmux drives the end-to-end test of the viewer in a real terminal

@@ -7,6 +7,7 @@ import subprocess
 from conftest import PY
 
 HEAVY_UI = ("textual", "rich", "plotext", "textual_plotext")
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate")
 
 
 def _modules_after(code: str) -> set[str]:
@@ -29,9 +30,16 @@ def test_watch_loads_no_ui_and_no_pdb() -> None:
         "m = torch.nn.Linear(2, 2); gw = gradwatch.watch(m, torch.optim.SGD(m.parameters(), lr=0.1), announce=False)\n"
         "m(torch.randn(1, 2)).sum().backward(); gw.step(); gw.close()"
     )
-    for name in (*HEAVY_UI, "pdb", "readline"):
+    for name in (*HEAVY_UI, *FRAMEWORKS, "pdb", "readline"):
         assert name not in mods, name
     assert "gradwatch.publisher.watcher" in mods
+
+
+def test_the_core_imports_no_framework_and_each_adapter_only_its_own() -> None:
+    assert not set(FRAMEWORKS) & _modules_after("import gradwatch.integrations, gradwatch.publisher.watcher")
+    mods = _modules_after("import gradwatch.integrations.accelerate")  # accelerate is imported by the user
+    assert not set(FRAMEWORKS) & mods
+    assert "lightning" in _modules_after("import gradwatch.integrations.lightning")  # (which loads transformers itself)
 
 
 def test_client_and_cli_do_not_need_torch() -> None:

@@ -23,6 +23,12 @@ class NullWatcher:
     def log(self, **scalars: Any) -> None:
         pass
 
+    def _explicit_mode(self, clip_total: bool = True) -> None:
+        pass
+
+    def _premark(self, loss: Any = None, inputs: Any = None, targets: Any = None) -> None:
+        pass
+
     def activations(self, every: int) -> None:
         pass
 

@@ -1,0 +1,256 @@
+"""What one step boundary measures, on the training thread, and hands to the sender.
+
+Only on-device work plus a ``deque.append`` (docs/design.md, "The trainer side: rules it lives by"): the
+gradient, weight and update statistics come from :class:`~gradwatch.publisher.probes.GradProbe` in a few
+fused kernels, the device buffer is copied to the host in the sender thread. A step is a *detail* step
+on a fixed cadence (:func:`~gradwatch.publisher.trouble.is_detail`) or when it is a trouble step, which
+also gets an exact scan of every gradient and weight.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+import torch
+
+from gradwatch.publisher.act_plan import ActivationPlan
+from gradwatch.publisher.probes import GradProbe, Parts, data_stats, hyper_of, scalar_part
+from gradwatch.publisher.trouble import AUTO_ARM_STEPS, TroubleCheck, is_detail
+
+
+class Collector:
+    """Per-step collection of one watched model. The :class:`~gradwatch.publisher.watcher.Watcher` calls
+    :meth:`boundary` under its lock; ``submit`` takes the finished step."""
+
+    def __init__(self, *, probe: GradProbe, acts: ActivationPlan, param_names: list[str], optimizer: Any,
+                 scaler: Any, every: int, detail_every: int, submit: Callable[[Any], None]) -> None:
+        self.probe = probe
+        self.acts = acts
+        self.param_names = param_names
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.every = every
+        self.detail_every = detail_every
+        self.submit = submit
+        self.step = 0  # boundaries seen
+        self.published = 0
+        self.explicit = False  # gw.step() marks the boundaries (then the optimizer hook measures the clip)
+        self.measure_clips = True
+        self.pause_on_nonfinite = False
+        self.trigger: str | None = None  # a pause_on condition seen at this boundary
+        self._nf_episode = False  # the last step was non-finite (pause_on fires once per episode)
+        self._trouble = TroubleCheck()
+        self._missed: dict[str, int] = {}
+        self._missed_dev: dict[str, torch.Tensor] = {}
+        self.user: dict[str, Any] = {}
+        self.bw_order: list[int] = []
+        self.bw_hooks: list[Any] = []
+        self.clip_due: int | None = None  # explicit mode: measure the norm before optimizer.step() of this step
+        self._clip: tuple[int, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ backward order (first step only)
+
+    def learn_backward_order(self, params: list[torch.nn.Parameter]) -> None:
+        """Record, once, the order in which backward produces the gradients (post-accumulate hooks on
+        the first backward only): "the first parameter to go non-finite in backward order" is where a
+        NaN entered backward. The hooks are removed at the first boundary."""
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            return
+        order = self.bw_order
+        try:
+            for i, p in enumerate(params):
+                self.bw_hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: order.append(i)))
+        except Exception:  # noqa: BLE001 - without the order, reverse registration order is the fallback
+            self.drop_bw_hooks()
+
+    def drop_bw_hooks(self) -> None:
+        for h in self.bw_hooks:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self.bw_hooks.clear()
+
+    # ------------------------------------------------------------------ the boundary
+
+    def measure_clip(self) -> None:
+        """Explicit mode, detail steps: the total norm after the user's clipping, before the update."""
+        step, self.clip_due = self.clip_due, None
+        grads = [p.grad for p in self.probe.params]
+        vec = self.probe._norm_vec(grads, 2.0, all(g is not None for g in grads))
+        self._clip = (step, torch.linalg.vector_norm(vec))
+
+    def boundary(self, loss: Any, inputs: Any, targets: Any) -> None:
+        step = self.step
+        self.step += 1
+        probe = self.probe
+        probe.settle()
+        if step % self.every:
+            self._watch_unpublished(step, loss, inputs, targets)
+            self.acts.skip()
+            self.acts.plan(step + 1)
+            return
+        detail = is_detail(self.published, self.detail_every)
+        self.published += 1
+        host = not probe.branchless
+        parts = Parts(host)
+        meta: dict[str, Any] = {}
+        lp = scalar_part(loss)
+        if lp is not None and host and lp.device.type == "cpu":
+            meta["loss"] = lp.item()  # CPU: no device queue to stall
+        elif lp is not None:
+            parts.add("loss", lp)
+        elif loss is not None:
+            meta["loss"] = float(loss)
+        if self.scaler is not None and scaler_enabled(self.scaler):
+            scale = getattr(self.scaler, "_scale", None)  # the device tensor: no host sync (get_scale() syncs)
+            if isinstance(scale, torch.Tensor):
+                parts.add("scale", scale)
+                meta["scaled"] = self._grads_scaled()
+        if self.optimizer is not None:
+            # every step: the learning rates; on detail steps: every hyper-parameter (the sender fills in)
+            hyper, tensors = hyper_of(self.optimizer.param_groups, full=detail)
+            meta["opt"] = hyper
+            if tensors:
+                meta["opt_tensors"] = [(gi, k) for gi, k, _ in tensors]
+                for gi, k, t in tensors:
+                    parts.add(f"opt:{gi}:{k}", t)
+        probe.updates(parts, meta)
+        total = probe.grad_norms(parts, meta)
+        batch = {name: data_stats(t, exact_on_host=host) for name, t in (("inputs", inputs), ("targets", targets))
+                 if t is not None}
+        self._scan(meta, total, batch, inputs, targets)
+        for name, st in batch.items():
+            if st is not None:
+                parts.add(f"data:{name}", st)
+        if detail or "scan" in meta:
+            probe.details(parts, meta, step)
+        if meta.get("scan") == "nonfinite" and not meta.get("wnf") and not self.acts.every and not self.acts.armed:
+            # a NaN from clean weights: if it comes back, trace it to the first module that makes it
+            self.acts.armed = AUTO_ARM_STEPS + 1
+        if self._clip is not None:
+            parts.add("clip", self._clip[1])
+            meta["clip_step"] = self._clip[0]
+            self._clip = None
+        if detail and self.explicit and self.measure_clips and self.optimizer is not None:
+            self.clip_due = step
+        if self.pause_on_nonfinite:
+            # one pause per non-finite episode: a run that stays NaN after "continue" is not paused
+            # again at every step; the first finite step re-arms it
+            why = self._nonfinite_trigger(meta, lp, parts)
+            if why is not None and not self._nf_episode:
+                self.trigger = why
+            self._nf_episode = why is not None
+        self.acts.take(parts, meta, self.step)
+        for name, t in self._missed_dev.items():
+            parts.add(f"missed:{name}", t)
+        self._missed_dev = {}
+        if self._missed:
+            meta["missed"], self._missed = self._missed, {}
+        if self.bw_hooks:
+            self.drop_bw_hooks()
+            seen: set[int] = set()
+            meta["backward_order"] = [i for i in self.bw_order if not (i in seen or seen.add(i))]
+        if self.user:
+            meta["user"] = plain_scalars(self.user, parts)
+            self.user = {}
+        self.submit(probe.finish(parts, step, time.time(), meta))
+        self.acts.plan(step + 1)
+
+    def _scan(self, meta: dict[str, Any], total: float | None, batch: dict[str, Any], inputs: Any,
+              targets: Any) -> None:
+        """Is this a trouble step (:mod:`~gradwatch.publisher.trouble`)? Then every gradient and weight is
+        checked exactly at this boundary (``meta["scan"]``), and on a non-finite step the batch is
+        checked for being degenerate (every sample the same)."""
+        loss = meta.get("loss")
+        data_bad = any(isinstance(st, tuple) and st[1] > 0 for st in batch.values())
+        why = self._trouble.check(loss if isinstance(loss, float) else None, total, data_bad)
+        if why is None:
+            return
+        meta["scan"] = why
+        if why == "nonfinite":
+            for name, t in (("inputs", inputs), ("targets", targets)):
+                if name in batch and batch[name] is not None:
+                    batch[name] = data_stats(t, exact_on_host=True, spread=True)
+
+    def _nonfinite_trigger(self, meta: dict[str, Any], lp: torch.Tensor | None, parts: Parts) -> str | None:
+        """pause_on=("nonfinite",): is this step's loss or any gradient NaN/Inf? On CPU the norms are
+        on the host already; on CUDA this costs one host sync per step, the price of pausing *before*
+        a NaN reaches the weights (documented in the README)."""
+        bad = meta.get("nonfinite")
+        if bad is None:  # CUDA: one sync on a fused flag
+            flag = torch.zeros((), dtype=torch.bool, device=self.probe.device)
+            if "gn" in parts.layout:
+                norms = parts.tensors[list(parts.layout).index("gn")]
+                flag = flag | ~torch.isfinite(norms).all()
+            if lp is not None:
+                flag = flag | ~torch.isfinite(lp.to(flag.device)).all()
+            if not bool(flag):  # host sync, only with pause_on
+                return None
+            return "non-finite loss or gradient"
+        loss = meta.get("loss")
+        if bad:
+            names = [self.param_names[i] for i in sorted(bad)][:3]
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            return f"non-finite gradient in {', '.join(names)}{more}"
+        if isinstance(loss, float) and not math.isfinite(loss):
+            return f"non-finite loss ({loss})"
+        if lp is not None and not bool(torch.isfinite(lp).all()):
+            return "non-finite loss"
+        return None
+
+    def _watch_unpublished(self, step: int, loss: Any, inputs: Any, targets: Any) -> None:
+        """With every > 1, a NaN on a step that is not published must still be reported (on the next one).
+
+        Cheap: one finiteness check per tensor, read on the host only on CPU; on CUDA the flags are
+        accumulated on the device and shipped with the next published step.
+        """
+        for name, t in (("loss", loss), ("inputs", inputs), ("targets", targets)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+                continue
+            flag = torch.isfinite(t.detach()).all().logical_not()
+            if self.probe.branchless:
+                prev = self._missed_dev.get(name)
+                self._missed_dev[name] = flag.float() if prev is None else prev + flag.float()
+            elif flag.item():  # CPU: no device queue to stall
+                self._missed[name] = self._missed.get(name, 0) + 1
+                self._missed.setdefault("first_step", step)
+
+    def _grads_scaled(self) -> bool:
+        """False when the user already called ``scaler.unscale_(optimizer)`` (e.g. to clip) before us."""
+        if self.optimizer is None:
+            return True
+        try:
+            states = self.scaler._per_optimizer_states
+            st = states[id(self.optimizer)] if id(self.optimizer) in states else None
+            return not (st is not None and getattr(st.get("stage"), "name", "") == "UNSCALED")
+        except Exception:  # noqa: BLE001
+            return True
+
+
+def scaler_enabled(scaler: Any) -> bool:
+    try:
+        return bool(scaler.is_enabled())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def plain_scalars(user: dict[str, Any], parts: Parts) -> dict[str, Any]:
+    """User scalars: numbers as floats, tensors via the device buffer (no sync), others dropped."""
+    out: dict[str, Any] = {}
+    for k, v in user.items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() == 1:
+                parts.add(f"user:{k}", v)
+        elif isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, (int, float)):
+            out[k] = float(v)
+        else:
+            try:
+                out[k] = float(v)  # numpy scalars and friends
+            except (TypeError, ValueError):
+                continue
+    return out

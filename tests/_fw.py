@@ -1,0 +1,43 @@
+"""Shared by the framework tests: collect what a run published, and reference norms taken by the test."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from gradwatch.protocol import Event, Step
+
+
+def collect(client: Any, want: int, seconds: float = 10.0, settle: float = 0.5) -> tuple[dict[int, Step], list[Event]]:
+    """Steps (by step number) and events until ``want`` steps arrived, then ``settle`` more seconds (to
+    see that no extra micro-batch step follows). records() would wait for silence: heartbeats never stop."""
+    steps: dict[int, Step] = {}
+    events: list[Event] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        msg = client.recv(timeout=0.1)
+        if isinstance(msg, Step):
+            steps[msg.step] = msg
+            if len(steps) == want:
+                deadline = min(deadline, time.monotonic() + settle)
+        elif isinstance(msg, Event):
+            events.append(msg)
+    return steps, events
+
+
+def grad_norms(module: torch.nn.Module, divide: float = 1.0) -> list[float]:
+    """Per-parameter gradient norms in float64, in ``named_parameters`` order (what gradwatch publishes)."""
+    return [float(p.grad.detach().double().norm()) / divide if p.grad is not None else 0.0
+            for p in module.parameters() if p.requires_grad]
+
+
+def assert_norms_equal(published: Any, reference: list[float], rel: float = 1e-4) -> None:
+    assert len(published) == len(reference)
+    for i, (a, b) in enumerate(zip(published, reference)):
+        if math.isfinite(b):
+            assert math.isclose(float(a), b, rel_tol=rel, abs_tol=1e-7), (i, float(a), b)
+        else:
+            assert not math.isfinite(float(a)), (i, float(a), b)
