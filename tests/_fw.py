@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Iterator
 
+import pytest
 import torch
 
 from gradwatch.protocol import Event, Step
@@ -41,3 +42,14 @@ def assert_norms_equal(published: Any, reference: list[float], rel: float = 1e-4
             assert math.isclose(float(a), b, rel_tol=rel, abs_tol=1e-7), (i, float(a), b)
         else:
             assert not math.isfinite(float(a)), (i, float(a), b)
+
+
+@pytest.fixture
+def fresh_accelerate_state() -> Iterator[None]:
+    """accelerate keeps one process-wide state (a second Accelerator with another precision raises):
+    each Trainer or Accelerator of a test starts from a clean one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)

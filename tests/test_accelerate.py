@@ -14,18 +14,11 @@ from accelerate import Accelerator
 
 import gradwatch
 from gradwatch.integrations.accelerate import watch
-from tests._fw import assert_norms_equal, collect, grad_norms
+from tests._fw import assert_norms_equal, collect, grad_norms, fresh_accelerate_state  # noqa: F401 - a fixture
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("fresh_accelerate_state")]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> None:
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _run(runtime: Path, *, steps: int, accumulate: int, clip: float | None, seed: int = 0,

@@ -14,19 +14,11 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 import gradwatch
 from gradwatch.integrations.hf import GradwatchCallback
-from tests._fw import assert_norms_equal, collect, grad_norms
+from tests._fw import assert_norms_equal, collect, grad_norms, fresh_accelerate_state  # noqa: F401 - a fixture
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("fresh_accelerate_state")]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> None:
-    """accelerate keeps one process-wide state; each Trainer here picks its own precision."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -137,3 +137,31 @@ def test_the_three_lines_of_the_readme(runtime: Path) -> None:
     assert cb.gw.step_count == 3 and cb.gw.disabled_reason is None
     assert cb.gw.connection_file is not None
     assert '"status": "finished"' in cb.gw.connection_file.read_text().replace("'", '"')
+
+
+def test_a_second_fit_is_a_second_run(runtime: Path) -> None:
+    cb = GradwatchCallback(announce=False)
+    runs = []
+    for _ in range(2):
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", callbacks=[cb], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Net(), _data(0))
+        runs.append(cb.gw)
+    assert runs[0] is not runs[1] and runs[0].run_id != runs[1].run_id
+    assert runs[0].step_count == runs[1].step_count == 2
+
+
+def test_an_exception_in_training_ends_the_run_as_crashed(runtime: Path) -> None:
+    class Boom(Net):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if batch_idx == 2:
+                raise RuntimeError("bad batch")
+            return super().training_step(batch, batch_idx)
+
+    cb = GradwatchCallback(announce=False)
+    trainer = L.Trainer(max_steps=5, accelerator="cpu", callbacks=[cb], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        trainer.fit(Boom(), _data(0))
+    assert cb.gw.step_count == 2
+    assert '"status": "crashed"' in cb.gw.connection_file.read_text().replace("'", '"')

@@ -28,6 +28,11 @@ class LossSum:
         return t
 
 
+def ended(gw: Any) -> bool:
+    """Whether a watcher was closed (or disabled): a new fit/train then starts a new run."""
+    return bool(getattr(gw, "_closed", False) or getattr(gw, "disabled_reason", None)) and gw.enabled
+
+
 _INPUT_KEYS = ("input_ids", "inputs", "input", "x", "pixel_values", "features")
 _TARGET_KEYS = ("labels", "targets", "target", "y", "label")
 

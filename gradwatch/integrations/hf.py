@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
     raise ImportError("gradwatch.integrations.hf needs transformers (pip install transformers)") from None
 
 from gradwatch._warn import warn
-from gradwatch.integrations._common import LossSum, split_batch, wrap_method
+from gradwatch.integrations._common import LossSum, ended, split_batch, wrap_method
 
 #: The Trainer's methods that compute the (pre-clip) gradient norm; the first one called in a step marks it.
 NORM_METHODS = ("_clip_grad_norm", "_get_grad_norm")
@@ -54,8 +54,8 @@ class GradwatchCallback(_TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
-        if self.gw is not None or model is None:
-            return
+        if model is None or (self.gw is not None and not ended(self.gw)):
+            return  # a second train() with the same callback gets a new run
         import gradwatch
 
         trainer = self.trainer or _find_trainer(self)

@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
         raise ImportError("gradwatch.integrations.lightning needs lightning (pip install lightning) or "
                           "pytorch_lightning") from None
 
-from gradwatch.integrations._common import LossSum, split_batch
+from gradwatch.integrations._common import LossSum, ended as _ended, split_batch
 
 
 class GradwatchCallback(_Callback):
@@ -41,8 +41,8 @@ class GradwatchCallback(_Callback):
         self._batch: Any = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.gw is not None:
-            return
+        if self.gw is not None and not _ended(self.gw):
+            return  # a second fit() with the same callback gets a new run
         import gradwatch
 
         optimizers = list(getattr(trainer, "optimizers", None) or [])
