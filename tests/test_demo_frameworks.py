@@ -90,9 +90,12 @@ def test_each_framework_publishes_one_step_per_optimizer_step(runtime: Path, fra
     assert [s.step for s in steps] == list(range(6)), "one step per optimizer step, none per micro-batch"
     finals = [e for e in events if e.event == "finished"]
     assert len(finals) == 1 and finals[0].message == "6 steps", [(e.event, e.message) for e in events]
-    # the mean micro-batch loss of an untrained char model: ~ln(vocab) ~ 3.3 (a sum would be ~6.5, one
-    # divided by the accumulation steps ~1.6)
-    assert all(math.isfinite(s.loss) and 2.5 < s.loss < 4.0 for s in steps), [s.loss for s in steps]
+    losses = [s.loss for s in steps]
+    assert all(math.isfinite(v) for v in losses), losses
+    # before the spike: the mean micro-batch loss of an untrained char model, ~ln(vocab) ~ 3.3 (their sum
+    # would be ~6.5, one divided by the accumulation steps ~1.6); the x100 LR from step 3 then wrecks it
+    assert all(2.5 < v < 4.0 for v in losses[:4]), losses
+    assert losses[5] > 1.5 * losses[3], losses
     assert [s.opt[0]["lr"] for s in steps] == pytest.approx([BASE_LR] * 3 + [100 * BASE_LR] * 3)
     assert all(math.isfinite(s.total) and s.total > 0 and not s.nonfinite for s in steps)
     assert [(r.name, r.state) for r in gradwatch.runs()] == [(name, "finished")]

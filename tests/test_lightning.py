@@ -165,3 +165,49 @@ def test_an_exception_in_training_ends_the_run_as_crashed(runtime: Path) -> None
         trainer.fit(Boom(), _data(0))
     assert cb.gw.step_count == 2
     assert '"status": "crashed"' in cb.gw.connection_file.read_text().replace("'", '"')
+
+
+def test_pause_inside_lightning_with_the_trainer_at_hand_and_skip_a_step(runtime: Path) -> None:
+    """P from a viewer while Lightning trains: the safe point is on_before_optimizer_step, pdb has the
+    Lightning trainer, and gw.skip_step() there leaves that optimizer step without effect."""
+    import threading
+    import time
+
+    cb = GradwatchCallback(announce=False)
+    answers: dict[str, str] = {}
+    weights: dict[str, list[torch.Tensor]] = {}
+
+    class Watch(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            threading.Thread(target=debugger, daemon=True).start()
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: object) -> None:
+            if "after" not in weights:
+                weights["before"] = [p.detach().clone() for p in pl_module.parameters()]
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *a: object) -> None:
+            if "skip" in answers and "after" not in weights:
+                weights["after"] = [p.detach().clone() for p in pl_module.parameters()]
+
+    def debugger() -> None:
+        with gradwatch.control(cb.gw.run_id) as ctl:
+            ctl.pause()
+            ctl.wait_paused(30)
+            answers["trainer"] = ctl.run_line("p type(trainer).__name__, trainer.global_step == step")
+            answers["skip"] = ctl.run_line("p gw.skip_step()")
+            ctl.input("c")
+            end = time.monotonic() + 10
+            while ctl.paused and time.monotonic() < end:
+                ctl.poll(0.1)
+
+    class Slow(Net):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            time.sleep(0.01)  # time for the debugger thread to connect
+            return super().training_step(batch, batch_idx)
+
+    trainer = L.Trainer(max_steps=400, accelerator="cpu", callbacks=[cb, Watch()], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Slow(), _data(0))
+    assert "('Trainer', True)" in answers["trainer"]
+    assert "dropped" in answers["skip"]
+    assert all(torch.equal(a, b) for a, b in zip(weights["before"], weights["after"]))

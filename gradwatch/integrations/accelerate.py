@@ -53,6 +53,7 @@ def watch(accelerator: Any, model: Any, optimizer: Any = None, **watch_kwargs: A
             return original(*args, **kwargs)
         return clip_grad_norm_
 
+    gw._pause_names["accelerator"] = accelerator  # at hand in pdb when paused
     wrap_method(accelerator, "backward", make_backward, gw._cleanups)
     wrap_method(accelerator, "clip_grad_norm_", make_clip, gw._cleanups)
     return gw

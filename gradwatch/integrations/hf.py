@@ -67,6 +67,7 @@ class GradwatchCallback(_TrainerCallback):
         self.gw = gw = gradwatch.watch(model, inner, scaler=scaler, **kwargs)
         if trainer is None or not getattr(gw, "enabled", False):
             return
+        gw._pause_names["trainer"] = trainer  # at hand in pdb when paused
         wrap_method(trainer, "training_step", self._wrap_training_step, gw._cleanups)
         wrapped = [wrap_method(trainer, m, self._wrap_norm, gw._cleanups) for m in NORM_METHODS]
         self._pre_clip = any(wrapped)

@@ -50,9 +50,12 @@ class GradwatchCallback(_Callback):
         kwargs = dict(self.watch_kwargs)
         kwargs.setdefault("name", type(pl_module).__name__)
         self.gw = gradwatch.watch(pl_module, optimizers[0] if optimizers else None, scaler=scaler, **kwargs)
+        if not getattr(self.gw, "enabled", False):
+            return
         # Lightning runs forward and backward inside optimizer.step(closure): the optimizer's step pre-hook
         # fires before backward, so only this callback marks steps, and the clipped total is not measured
         self.gw._explicit_mode(clip_total=False)
+        self.gw._pause_names.update(trainer=trainer, pl_module=pl_module)  # at hand in pdb when paused
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._batch = batch

@@ -202,6 +202,9 @@ def _pause_frame(model: Any, optimizer: Any, loss: Any, inputs: Any, targets: An
     return None  # paused by gradwatch: model, optimizer, loss, inputs, targets, step, gw; `up` = your loop
 
 
+_FRAME_NAMES = frozenset(("model", "optimizer", "loss", "inputs", "targets", "step", "gw"))
+
+
 def _short_path(path: str) -> str:
     """``gradwatch/publisher/debugger.py`` for gradwatch's own files, a path relative to the working
     directory for files under it, else the path unchanged."""
@@ -229,8 +232,11 @@ def debug_session(namespace: dict[str, Any], channel: DebugChannel | None, banne
     out.write(banner)
     out.flush()
     frame = _user_frame()
-    pause = types.FunctionType(_pause_frame.__code__, frame.f_globals if frame is not None else {"__name__": "gw"},
-                               "_pause_frame")
+    scope = frame.f_globals if frame is not None else {"__name__": "gw"}
+    extra = {k: v for k, v in namespace.items() if k not in _FRAME_NAMES}
+    if extra:  # an integration's framework objects (trainer, accelerator): names of a copy of the globals
+        scope = {**scope, **extra}
+    pause = types.FunctionType(_pause_frame.__code__, scope, "_pause_frame")
     try:
         pause(namespace["model"], namespace["optimizer"], namespace["loss"], namespace["inputs"],
               namespace["targets"], namespace["step"], namespace["gw"], dbg, sys._getframe)

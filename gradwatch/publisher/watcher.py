@@ -78,6 +78,7 @@ class Watcher:
         self._auth: CurveServer | None = None  # TCP runs only: keys + ZAP allow-list of both sockets
         self._pausectl: PauseControl | None = None
         self._cleanups: list[Any] = []  # integrations: undo their wrappers when the run ends
+        self._pause_names: dict[str, Any] = {}  # integrations: framework objects for pdb (trainer, accelerator)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
@@ -283,8 +284,8 @@ class Watcher:
             if not pc.check(step):
                 return
             b.in_pause = True
-            ns = {"model": self.model, "optimizer": self.optimizer, "loss": loss, "inputs": inputs,
-                  "targets": targets, "step": step, "gw": self}
+            ns = {**self._pause_names, "model": self.model, "optimizer": self.optimizer, "loss": loss,
+                  "inputs": inputs, "targets": targets, "step": step, "gw": self}
             pc.pause_here(step, ns, terminal=self.cfg.debug_in == "terminal" and stdin_is_terminal())
         except Exception as exc:  # noqa: BLE001 - nothing from gradwatch reaches the training loop...
             self._fail(exc)
