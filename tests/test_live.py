@@ -188,3 +188,17 @@ def test_a_slow_joiner_gets_steps_in_order(runtime: Path) -> None:
         assert got == list(range(8))
     finally:
         c.close()
+
+
+def test_an_uncaught_ctrl_c_is_a_stop_not_a_crash(runtime: Path) -> None:
+    """Ctrl-C inside a framework's loop (the HF Trainer has no exception hook) reaches the top level
+    uncaught: the run is listed as stopped, as with ``with gradwatch.watch(...)``."""
+    code = ("import torch, gradwatch\n"
+            "m = torch.nn.Linear(2, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "gw = gradwatch.watch(m, opt, name='ki', announce=False)\n"
+            "m(torch.ones(1, 2)).sum().backward(); gw.step(); opt.step()\n"
+            "raise KeyboardInterrupt\n")
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, env=child_env(runtime))
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    (run,) = gradwatch.runs()
+    assert run.state == "stopped"

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 _crash: list[str] = []
+_interrupted: list[str] = []  # an uncaught Ctrl-C: the run was stopped, it did not crash
 _hook_installed = False
 
 
@@ -27,7 +28,10 @@ def install_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(exc_type: Any, exc: Any, tb: Any) -> None:
-        _crash.append(f"{exc_type.__name__}: {exc}"[:500])
+        if isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt):
+            _interrupted.append(exc_type.__name__)
+        else:
+            _crash.append(f"{exc_type.__name__}: {exc}"[:500])
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
@@ -37,7 +41,7 @@ def close_at_exit(ref: weakref.ReferenceType[Any]) -> None:
     """atexit: close a watcher that the script never closed (crashed if an exception went uncaught)."""
     w = ref()
     if w is not None:
-        w._close(crashed=_crash[-1] if _crash else None)
+        w._close(crashed=_crash[-1] if _crash else None, stopped=_interrupted[-1] if _interrupted else None)
 
 
 def rank_world() -> tuple[int, int]:
