@@ -344,6 +344,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", help="run name shown by the viewer (default lm-FRAMEWORK)")
     p.add_argument("--loop", action="store_true", help="start again with a fresh model after each round until Ctrl-C")
     p.add_argument("--quiet", action="store_true", help="no progress lines, no gradwatch banner")
+    p.add_argument("--check", action="store_true",
+                   help="only check the arguments and exit (scripts/demo does, before it opens the viewer)")
     args = p.parse_args(argv)
     if args.name is not None and not args.name.strip():
         p.error("--name must not be empty")
@@ -365,6 +367,8 @@ def _stop(signum: int, frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check:
+        return 0
     torch.set_num_threads(1)  # a tiny model: threads cost more than they bring, and keep the box usable
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop)

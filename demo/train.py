@@ -347,6 +347,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="pause into the debugger before a NaN/Inf gradient reaches the weights (pause_on=)")
     p.add_argument("--loop", action="store_true", help="start again with a fresh model after each round until Ctrl-C")
     p.add_argument("--quiet", action="store_true", help="no progress lines, no gradwatch banner")
+    p.add_argument("--check", action="store_true",
+                   help="only check the arguments and exit (scripts/demo does, before it opens the viewer)")
     args = p.parse_args(argv)
 
     if args.name is not None and not args.name.strip():
@@ -376,6 +378,8 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check:
+        return 0
     torch.set_num_threads(1)  # tiny models: threads cost more than they bring, and keep the box usable
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop_on_sigterm)

@@ -136,3 +136,15 @@ def test_bad_arguments_fail_in_one_line(runtime: Path, argv: list[str], words: s
     assert "Traceback" not in r.stderr and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "error" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("argv", [["lm-hf", "--steps", "0"], ["no-such-scenario"], ["explode", "--nan-step", "3"]])
+def test_the_demo_script_says_what_is_wrong_instead_of_waiting(runtime: Path, argv: list[str]) -> None:
+    """./scripts/demo with a wrong argument: the trainer's one-line error and rc 2, before any viewer opens
+    (it used to start the viewer, which then waited for a run that had already died)."""
+    proc = subprocess.run([str(ROOT / "scripts" / "demo"), *argv], capture_output=True, text=True, timeout=180,
+                          env=child_env(runtime), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "(see --help)" in lines[0] and "Traceback" not in proc.stderr
+    assert "gradwatch demo: training" not in proc.stderr  # nothing was started
