@@ -77,7 +77,7 @@ def thread_cpu(thread: Any) -> float:
 
 def profile_model(name: str, args: argparse.Namespace) -> None:
     import gradwatch
-    from gradwatch.publisher import probes, sender, watcher
+    from gradwatch.publisher import collect, probes, sender
 
     steps = args.steps or PLAN[name]
     wl = make_workload(name, quick=not args.full_size, seed=0)
@@ -133,11 +133,11 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
         timers.wrap(probes.GradProbe, "_foreach_norm", "  of which GradProbe._foreach_norm (all calls)"),
         timers.wrap(probes.GradProbe, "_maxabs_vec", "  of which GradProbe._maxabs_vec (detail, fused max-abs)"),
         timers.wrap(probes.GradProbe, "finish", "GradProbe.finish (torch.cat into one buffer)"),
-        timers.wrap(watcher, "data_stats", "data_stats(inputs) + data_stats(targets)"),
-        timers.wrap(watcher, "scalar_part", "scalar_part(loss)"),
-        timers.wrap(watcher, "hyper_of", "hyper_of(optimizer.param_groups)"),
+        timers.wrap(collect, "data_stats", "data_stats(inputs) + data_stats(targets)"),
+        timers.wrap(collect, "scalar_part", "scalar_part(loss)"),
+        timers.wrap(collect, "hyper_of", "hyper_of(optimizer.param_groups)"),
         timers.wrap(sender.Sender, "submit", "Sender.submit (deque.append, wake-up when half full)"),
-        timers.wrap(watcher.Watcher, "_scan", "Watcher._scan (is this a trouble step?)"),
+        timers.wrap(collect.Collector, "_scan", "Collector._scan (is this a trouble step?)"),
         timers.wrap(probes.Parts, "add", "  of which Parts.add (all calls, incl. tensor -> bytes on CPU)"),
     ]
     # the sender thread: CPU time (time.thread_time is per calling thread) of its pieces

@@ -94,6 +94,21 @@ def test_pre_clip_norms_mean_loss_one_step_per_optimizer_step(runtime: Path, acc
         assert math.isclose(got[s].loss, losses[s], rel_tol=1e-4), (s, got[s].loss, losses[s])
 
 
+def test_without_clipping_the_step_is_marked_in_the_norm_call(runtime: Path) -> None:
+    """max_grad_norm=0: the Trainer does not clip but still computes the norm (_get_grad_norm): marked
+    there, so the post-optimizer-step fallback (and its post-clip warning) is not used."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=UserWarning)  # gradwatch's post-clip warning would raise
+        trainer, post, got, _ = _train(runtime, steps=3, accumulate=2, max_grad_norm=0.0)
+    totals = _logged(trainer, "grad_norm")
+    assert sorted(got) == [0, 1, 2]
+    for s in range(3):
+        assert_norms_equal(got[s].grad_norm, post.norms[s])  # nothing clipped: the same gradients
+        assert math.isclose(got[s].total, totals[s], rel_tol=1e-4)
+
+
 def test_fp16_with_grad_scaler_unscaled_and_skipped_steps_visible(runtime: Path) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
     trainer, post, got, events = _train(runtime, steps=24, accumulate=2, max_grad_norm=1.0, scaler=scaler, fp16=True)

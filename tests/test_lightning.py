@@ -211,3 +211,39 @@ def test_pause_inside_lightning_with_the_trainer_at_hand_and_skip_a_step(runtime
     assert "('Trainer', True)" in answers["trainer"]
     assert "dropped" in answers["skip"]
     assert all(torch.equal(a, b) for a, b in zip(weights["before"], weights["after"]))
+
+
+def test_manual_optimization(runtime: Path) -> None:
+    """automatic_optimization=False: manual_backward and opt.step() still pass through the hooks the
+    callback uses, so each opt.step() is one step with its loss."""
+
+    class Manual(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            opt = self.optimizers()
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.losses.append(float(loss.detach()))
+            self.manual_backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+    cb, ref = GradwatchCallback(announce=False), Reference(scaled=False)
+    model = Manual()
+    client: list = []
+
+    class Attach(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            client.append(gradwatch.connect(cb.gw.run_id, timeout=10))
+
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", callbacks=[cb, ref, Attach()], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, _data(0))
+    got, _ = collect(client[0], 4)
+    client[0].close()
+    assert sorted(got) == [0, 1, 2, 3]
+    for s in range(4):
+        assert_norms_equal(got[s].grad_norm, ref.norms[s])
+        assert math.isclose(got[s].loss, model.losses[s], rel_tol=1e-5)
