@@ -124,7 +124,7 @@ def set_params(n: int) -> None:
     N_LINEAR = max(1, n // 2)
 
 
-def make_schema(run: str, name: str) -> Any:
+def make_schema(run: str, name: str, diagnose: bool = True) -> Any:
     import socket
 
     from gradwatch import protocol as P
@@ -137,7 +137,9 @@ def make_schema(run: str, name: str) -> Any:
         params.append(P.ParamInfo(f"{i}.bias", (16,), "float32", 16, i + 1))
     return P.Schema(run=run, name=name, params=tuple(params), modules=tuple(modules), host=socket.gethostname(),
                     pid=os.getpid(), started=time.time(), torch_version="bench", optimizer="SGD",
-                    hyper=({"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0},), every=1, control=False)
+                    hyper=({"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0},), every=1, control=False,
+                    # as every trainer sends unless watch(diagnose=False): its sender diagnoses, the viewer does not
+                    diagnose=diagnose)
 
 
 class StepMaker:
@@ -204,6 +206,7 @@ def publisher_main(argv: list[str]) -> int:
     ap.add_argument("--alert-every", type=int, default=5000)
     ap.add_argument("--wait", type=float, default=60.0)
     ap.add_argument("--params", type=int, default=2 * N_LINEAR)
+    ap.add_argument("--viewer-diagnoses", action="store_true")
     args = ap.parse_args(argv)
     set_params(args.params)
 
@@ -219,7 +222,7 @@ def publisher_main(argv: list[str]) -> int:
     run = args.run
     key = P.new_key()
     signer = P.Signer(key)
-    schema = make_schema(run, "bench-viewer")
+    schema = make_schema(run, "bench-viewer", diagnose=not args.viewer_diagnoses)
     n = schema.n
     endpoint, _note = transport.ipc_endpoint(run, "s")
     ctx = zmq.Context()
@@ -767,7 +770,8 @@ def run_rate(rate: float, seconds: float, args: argparse.Namespace, out_dir: Pat
     py = sys.executable
     pub = subprocess.Popen([py, str(Path(__file__).resolve()), "_publisher", "--run", run, "--rate", str(rate),
                             "--seconds", str(seconds), "--history", str(args.history),
-                            "--alert-every", str(args.alert_every), "--params", str(2 * N_LINEAR)],
+                            "--alert-every", str(args.alert_every), "--params", str(2 * N_LINEAR),
+                            *(["--viewer-diagnoses"] if args.viewer_diagnoses else [])],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     events: dict[str, dict[str, Any]] = {}
     got = threading.Event()
@@ -1027,6 +1031,9 @@ def main() -> int:
     ap.add_argument("--keep-raw", action="store_true")
     ap.add_argument("--params", type=int, default=2 * N_LINEAR,
                     help="parameter tensors in the schema (default 1,000; the protocol allows 200,000)")
+    ap.add_argument("--viewer-diagnoses", action="store_true",
+                    help="the schema says the trainer does not diagnose (watch(diagnose=False)): the viewer runs "
+                         "the rules on every step itself")
     ap.add_argument("--out", default=str(HERE / "results" / "viewer.json"))
     args = ap.parse_args()
     set_params(args.params)

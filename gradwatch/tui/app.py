@@ -444,7 +444,7 @@ class GradwatchApp(PauseActions, App[None]):
 
 
     def on_data_table_row_selected(self, event: HeatTable.RowSelected) -> None:
-        self.selected_layer = int(event.row_key.value) if event.row_key.value is not None else None
+        self.selected_layer = self.query_one("#table", HeatTable).layer_at(event.row_key.value)
 
     def on_alert_pane_silence(self, event: AlertPane.Silence) -> None:
         a = event.alert
