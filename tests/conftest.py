@@ -12,6 +12,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# the framework tests build their tiny models from configs: nothing may reach a model hub, here or in the
+# trainers they start (child_env copies this environment)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
 
 @pytest.fixture
 def runtime(monkeypatch: pytest.MonkeyPatch) -> Path:
