@@ -118,12 +118,15 @@ def test_fp16_gradscaler_norms_unscaled_and_skips_visible(runtime: Path, fused: 
             assert max(got[s].grad_norm) < 1e3  # unscaled: the raw ones are about 2**20 times larger
 
 
-def test_bf16_mixed(runtime: Path) -> None:
-    model, ref, got, _ = _fit(runtime, steps=4, accumulate=2, precision="bf16-mixed")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16(runtime: Path, precision: str) -> None:
+    """bf16-mixed (fp32 weights and gradients) and bf16-true (bf16 weights and gradients: gradwatch
+    accumulates their norms in fp32)."""
+    model, ref, got, _ = _fit(runtime, steps=4, accumulate=2, precision=precision)
     assert sorted(got) == list(range(4))
     for s in range(4):
         assert got[s].scale is None
-        assert_norms_equal(got[s].grad_norm, ref.norms[s])
+        assert_norms_equal(got[s].grad_norm, ref.norms[s], rel=1e-4 if precision == "bf16-mixed" else 1e-3)
     for s, want in enumerate(_mean_losses(model, 2, 4)):
         assert math.isclose(got[s].loss, want, rel_tol=1e-4)
 

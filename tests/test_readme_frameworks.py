@@ -129,3 +129,34 @@ def test_compile_block(runtime: Path) -> None:
     steps, _ = collect(client, 3)
     client.close()
     assert sorted(steps) == [0, 1, 2] and all(steps[s].act is not None for s in steps)  # statistics collected
+
+
+def test_the_kill_switch_turns_every_adapter_into_a_no_op(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRADWATCH_DISABLE=1: the README's blocks still train, through no-op watchers, and publish nothing."""
+    import lightning as L
+    from accelerate import Accelerator
+
+    monkeypatch.setenv("GRADWATCH_DISABLE", "1")
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    quiet = functools.partial(L.Trainer, accelerator="cpu", logger=False, enable_checkpointing=False,
+                              enable_progress_bar=False, enable_model_summary=False)
+    ns = {"L": types.SimpleNamespace(Trainer=quiet), "model": Net(), "loader": _xy()}
+    exec(_blocks()["lightning"], ns)
+    assert ns["trainer"].global_step == 100
+    model = _mlp()
+    ns = {"accelerator": Accelerator(cpu=True), "model": model, "loss_fn": torch.nn.functional.mse_loss,
+          "optimizer": torch.optim.SGD(model.parameters(), lr=0.05), "loader": _xy(32)}
+    exec(_blocks()["accelerate"], ns)
+    assert ns["gw"].enabled is False and "backward" not in ns["accelerator"].__dict__
+    assert gradwatch.runs() == []
