@@ -89,3 +89,30 @@ def test_skipping_bad_batches_is_not_mistaken_for_accumulation(runtime: Path) ->
                 opt.step()
             opt.zero_grad()
     gw.close()
+
+
+def test_a_loss_that_cannot_be_averaged_never_reaches_the_loop(runtime: Path) -> None:
+    """Hook mode: the boundary runs inside optimizer.step(); a logged value whose mean cannot be formed
+    (here a tensor and then a non-number) costs the loss of that step, never an exception."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False)
+    client = gradwatch.connect(gw.run_id, timeout=10)
+    for i in range(3):
+        loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        gw.log(loss=loss)
+        if i == 1:
+            gw.log(loss="not a number")  # refused by log() itself (counted), the step still has its loss
+        opt.step()
+        opt.zero_grad()
+    gw._boundaries.loss._sum = object()  # a sum that cannot be divided: the next hooked step has no loss
+    gw._boundaries.loss._n = 2
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    gw.close()
+    got, _ = collect(client, 4)
+    client.close()
+    assert sorted(got) == [0, 1, 2, 3]
+    assert all(got[s].loss is not None and math.isfinite(got[s].loss) for s in range(3))
+    assert got[3].loss is None

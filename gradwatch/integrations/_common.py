@@ -19,9 +19,13 @@ class LossSum:
         self.total: Any = None
 
     def add(self, loss: Any) -> None:
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            v = loss.detach().float().reshape(())
-            self.total = v if self.total is None else self.total + v
+        """Called from the framework's hooks: never raises (a loss it cannot add is left out)."""
+        try:
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                v = loss.detach().float().reshape(())
+                self.total = v if self.total is None else self.total + v
+        except Exception:  # noqa: BLE001 - nothing from gradwatch reaches the training loop
+            pass
 
     def take(self) -> Any:
         t, self.total = self.total, None
@@ -39,7 +43,15 @@ _TARGET_KEYS = ("labels", "targets", "target", "y", "label")
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
     """(inputs, targets) of a batch as frameworks pass it: ``(x, y)``, ``[x, y]``, a dict with the usual
-    keys, or one tensor. Anything else gives (None, None): the data rules then have nothing to read."""
+    keys, or one tensor. Anything else gives (None, None): the data rules then have nothing to read.
+    Called from the framework's hooks: never raises."""
+    try:
+        return _split(batch)
+    except Exception:  # noqa: BLE001 - a batch object that misbehaves: no data statistics
+        return None, None
+
+
+def _split(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, torch.Tensor):
         return batch, None
     if isinstance(batch, (tuple, list)) and batch:
@@ -47,12 +59,9 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
         y = batch[1] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
         return x, y
     if isinstance(batch, dict) or hasattr(batch, "keys"):
-        try:
-            x = next((batch[k] for k in _INPUT_KEYS if k in batch and isinstance(batch[k], torch.Tensor)), None)
-            y = next((batch[k] for k in _TARGET_KEYS if k in batch and isinstance(batch[k], torch.Tensor)), None)
-            return x, y
-        except Exception:  # noqa: BLE001 - a mapping that misbehaves: no data statistics
-            return None, None
+        x = next((batch[k] for k in _INPUT_KEYS if k in batch and isinstance(batch[k], torch.Tensor)), None)
+        y = next((batch[k] for k in _TARGET_KEYS if k in batch and isinstance(batch[k], torch.Tensor)), None)
+        return x, y
     return None, None
 
 

@@ -121,10 +121,16 @@ class Boundaries:
         self._mark(*self._with_loss(loss, inputs, targets))
 
     def _with_loss(self, loss: Any, inputs: Any, targets: Any) -> tuple[Any, Any, Any]:
-        if loss is None:
-            loss = self.loss.take()
-        else:
+        """Runs inside the optimizer's hooks too, where an exception would reach the training loop: a
+        mean that cannot be formed (losses logged on different devices) is no loss, never an error."""
+        try:
+            if loss is None:
+                loss = self.loss.take()
+            else:
+                self.loss.reset()
+        except Exception:  # noqa: BLE001
             self.loss.reset()
+            loss = None
         return loss, inputs, targets
 
     def _wrap_scaler(self, scaler: Any) -> None:
