@@ -72,9 +72,6 @@ class GradwatchCallback(_TrainerCallback):
         wrapped = [wrap_method(trainer, m, self._wrap_norm, gw._cleanups) for m in NORM_METHODS]
         self._pre_clip = any(wrapped)
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._marked = False
-
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.gw is None or self._marked:
             return

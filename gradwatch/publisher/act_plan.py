@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from gradwatch.publisher.probes import ActivationProbe, Parts
+from gradwatch.publisher.act_probe import ActivationProbe
+from gradwatch.publisher.probes import Parts
 
 #: Hooked steps without a single forward hook call before the trainer says why (docs/design.md, Torch 8).
 ACT_SILENT_STEPS = 2

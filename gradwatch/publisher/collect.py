@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 
 from gradwatch.publisher.act_plan import ActivationPlan
-from gradwatch.publisher.probes import GradProbe, Parts, data_stats, hyper_of, scalar_part
+from gradwatch.publisher.data_stats import data_stats
+from gradwatch.publisher.probes import GradProbe, Parts, hyper_of, scalar_part
 from gradwatch.publisher.trouble import AUTO_ARM_STEPS, TroubleCheck, is_detail
 
 
@@ -36,8 +37,7 @@ class Collector:
         self.submit = submit
         self.step = 0  # boundaries seen
         self.published = 0
-        self.explicit = False  # gw.step() marks the boundaries (then the optimizer hook measures the clip)
-        self.measure_clips = True
+        self.measure_clips = True  # explicit mode: the optimizer hook measures the clipped total
         self.pause_on_nonfinite = False
         self.trigger: str | None = None  # a pause_on condition seen at this boundary
         self._nf_episode = False  # the last step was non-finite (pause_on fires once per episode)
@@ -82,7 +82,9 @@ class Collector:
         vec = self.probe._norm_vec(grads, 2.0, all(g is not None for g in grads))
         self._clip = (step, torch.linalg.vector_norm(vec))
 
-    def boundary(self, loss: Any, inputs: Any, targets: Any) -> None:
+    def boundary(self, loss: Any, inputs: Any, targets: Any, explicit: bool = False) -> None:
+        """One step boundary; ``explicit``: gw.step() marks them (the optimizer hook then measures the
+        clipped total on detail steps)."""
         step = self.step
         self.step += 1
         probe = self.probe
@@ -134,7 +136,7 @@ class Collector:
             parts.add("clip", self._clip[1])
             meta["clip_step"] = self._clip[0]
             self._clip = None
-        if detail and self.explicit and self.measure_clips and self.optimizer is not None:
+        if detail and explicit and self.measure_clips and self.optimizer is not None:
             self.clip_due = step
         if self.pause_on_nonfinite:
             # one pause per non-finite episode: a run that stays NaN after "continue" is not paused

@@ -14,7 +14,8 @@ Cost rules (docs/design.md, Torch 4-6 and "The trainer side"):
 * "Detail" steps (every ``detail_every`` published steps) add gradient max-abs, weight norms and
   a weight snapshot whose difference at the next step boundary gives ``||dw|| / ||w||``. They cost
   three to four more passes over the parameters, so they are sampled by default.
-* Activation statistics use forward hooks that are attached only for the steps that need them.
+* Activation statistics (:mod:`.act_probe`) use forward hooks attached only for the steps that need
+  them; batch statistics are in :mod:`.data_stats`.
 
 Only this module and ``watcher.py`` touch torch; both import it lazily through ``gradwatch.watch``.
 """
@@ -29,8 +30,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-INF = float("inf")
-DATA_FIELDS = ("numel", "nonfinite", "min", "max", "mean", "std")
+from gradwatch.publisher.act_probe import ActivationProbe, module_tree  # noqa: F401 - re-exported
+from gradwatch.publisher.data_stats import DATA_FIELDS, INF, data_stats  # noqa: F401 - re-exported
 
 
 @dataclass(slots=True)
@@ -76,150 +77,6 @@ class Parts:
         self.tensors.append(t)
         self.layout[name] = (self.pos, self.pos + t.numel())
         self.pos += t.numel()
-
-
-def module_tree(model: torch.nn.Module) -> tuple[list[tuple[str, str, int]], dict[str, int]]:
-    """(name, type, parent index) for every module, root first, and a name -> index map."""
-    mods: list[tuple[str, str, int]] = []
-    index: dict[str, int] = {}
-    for name, mod in model.named_modules():
-        parent = -1
-        if name:
-            parent = index.get(name.rsplit(".", 1)[0] if "." in name else "", 0)
-        index[name] = len(mods)
-        mods.append((name or type(mod).__name__, type(mod).__name__, parent))
-    return mods, index
-
-
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        for x in out:
-            if isinstance(x, torch.Tensor):
-                return x
-    if isinstance(out, dict):
-        for x in out.values():
-            if isinstance(x, torch.Tensor):
-                return x
-    return None
-
-
-def _worth_hooking(mod: torch.nn.Module) -> bool:
-    """Leaf modules, plus attention blocks (``nn.MultiheadAttention`` calls its ``out_proj`` as a
-    function, so no leaf ever sees its output). Dropout/Identity only repeat their input."""
-    if isinstance(mod, torch.nn.MultiheadAttention):
-        return True
-    if isinstance(mod, (torch.nn.Dropout, torch.nn.Identity)):
-        return False
-    return not any(True for _ in mod.children())
-
-
-class ActivationProbe:
-    """Forward hooks on leaf modules recording output min/max/mean on the device, in forward order."""
-
-    def __init__(self, model: torch.nn.Module, module_index: dict[str, int]) -> None:
-        self._targets = [(module_index[name], mod) for name, mod in model.named_modules()
-                         if name and _worth_hooking(mod)]
-        self._handles: list[Any] = []
-        self._order: list[int] = []
-        self._stats: list[torch.Tensor] = []
-
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
-
-    def attach(self) -> None:
-        if self._handles:
-            return
-        for idx, mod in self._targets:
-            self._handles.append(mod.register_forward_hook(self._make_hook(idx)))
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.reset()
-
-    def reset(self) -> None:
-        self._order.clear()
-        self._stats.clear()
-
-    def _make_hook(self, idx: int) -> Any:
-        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            try:
-                t = _first_tensor(out)
-                if t is None or not t.is_floating_point() or t.numel() == 0:
-                    return
-                t = t.detach()
-                lo, hi = torch.aminmax(t)  # NaN propagates: exact non-finite flag
-                self._stats.append(torch.stack((lo.float(), hi.float(), t.float().mean())))
-                self._order.append(idx)
-            except Exception:  # never break the user's forward pass
-                pass
-        return hook
-
-    def take(self) -> tuple[list[int], torch.Tensor | None]:
-        """The modules seen since the last take, in forward order, and their (m, 3) stats."""
-        order, stats = list(self._order), list(self._stats)
-        self.reset()
-        if not stats:
-            return order, None
-        devices = {s.device for s in stats}
-        if len(devices) > 1:
-            dev = stats[0].device
-            stats = [s.to(dev, non_blocking=True) for s in stats]
-        return order, torch.stack(stats)
-
-
-def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tensor | tuple[float, ...] | None:
-    """[numel, nonfinite, min, max, mean, std, integer, spread] of a batch, over its finite values.
-
-    ``integer``: 1.0 for an integer dtype (token ids, class indices), whose range says nothing about
-    normalisation. ``spread`` (only when asked: on trouble steps, CPU) is max |x - x[0]|, 0 when every
-    sample of the batch is the same; NaN when not measured.
-
-    On CPU the cheap pass (aminmax, sum, dot) is checked on the host and the masked pass runs only if
-    something is non-finite; on CUDA the masked pass always runs so no value is read on the host.
-    """
-    if not isinstance(t, torch.Tensor) or t.numel() == 0:
-        return None
-    x = t.detach()
-    integer = 0.0 if (x.is_floating_point() or x.is_complex()) else 1.0
-    if x.is_complex():
-        x = x.abs()
-    if x.dtype != torch.float32:
-        x = x.float()
-    numel = float(x.numel())
-    sp = math.nan
-    if spread and exact_on_host and x.dim() >= 1 and x.shape[0] > 1:
-        sp = float((x - x[:1]).abs().amax())  # CPU, trouble steps only
-    if exact_on_host:
-        lo, hi = torch.aminmax(x)
-        lo_f, hi_f = lo.item(), hi.item()  # CPU: no device queue to stall
-        if math.isfinite(lo_f) and math.isfinite(hi_f):
-            # sum and sum of squares (two fast reductions); torch.std_mean is a Welford pass that
-            # took 360 us on a 64x1024 batch here, against 12 us for these two.
-            flat = x.reshape(-1)
-            mean = flat.sum().item() / numel
-            var = max(torch.dot(flat, flat).item() / numel - mean * mean, 0.0)
-            if lo_f == hi_f:
-                var = 0.0  # a constant batch: exactly, not the rounding residue of the formula above
-            return (numel, 0.0, lo_f, hi_f, mean, math.sqrt(var), integer, sp)
-    fin = torch.isfinite(x)
-    cnt = fin.sum()
-    nonfinite = numel - cnt.float()
-    safe_cnt = cnt.clamp_min(1).float()
-    xs = torch.where(fin, x, 0.0)
-    mean = xs.sum() / safe_cnt
-    var = (torch.where(fin, x - mean, 0.0) ** 2).sum() / safe_cnt
-    lo = torch.where(fin, x, INF).amin()
-    hi = torch.where(fin, x, -INF).amax()
-    if exact_on_host:  # CPU with non-finite values: read now, like the cheap pass
-        return (numel, float(nonfinite), float(lo), float(hi), float(mean), float(var.sqrt()), integer, sp)
-    # torch.full, not torch.tensor: a pageable host->device copy would synchronise the stream
-    return torch.stack((torch.full((), numel, device=x.device), nonfinite, lo, hi, mean, var.sqrt(),
-                        torch.full((), integer, device=x.device), torch.full((), math.nan, device=x.device)))
 
 
 class _EventPool:

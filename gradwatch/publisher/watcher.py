@@ -34,13 +34,14 @@ from gradwatch._warn import warn
 from gradwatch.curve import CurveServer
 from gradwatch.publisher import helpers
 from gradwatch.publisher.act_plan import ActivationPlan
+from gradwatch.publisher.act_probe import ActivationProbe, module_tree
 from gradwatch.publisher.boundary import Boundaries
 from gradwatch.publisher.collect import Collector
 from gradwatch.publisher.config import WatchConfig
 from gradwatch.publisher.exits import close_at_exit, install_excepthook, rank_world, stdin_is_terminal
 from gradwatch.publisher.null import NullWatcher  # noqa: F401 - re-exported: it used to live here
 from gradwatch.publisher.pause import PauseControl
-from gradwatch.publisher.probes import ActivationProbe, GradProbe, hyper_of, module_tree
+from gradwatch.publisher.probes import GradProbe, hyper_of
 from gradwatch.publisher.sender import Sender
 from gradwatch.publisher.trouble import DETAIL_EVERY
 from gradwatch.publisher.wiring import open_transport
@@ -130,7 +131,6 @@ class Watcher:
         if not self._live() or self._boundaries.in_pause:
             return
         try:
-            self._collector.explicit = True
             self._boundaries.explicit_step(loss, inputs, targets)
         except KeyboardInterrupt:
             raise
@@ -224,7 +224,7 @@ class Watcher:
         """An integration marks every boundary itself from the start (Lightning steps the optimizer with a
         closure: its step pre-hook runs *before* backward, so it must never mark a step). Without
         ``clip_total`` the pre-hook does not measure the clipped total either (it would see no gradient)."""
-        self._collector.explicit = self._boundaries.explicit = True
+        self._boundaries.explicit = True
         if not clip_total:
             self._collector.measure_clips = False
 
@@ -244,7 +244,7 @@ class Watcher:
 
     def _mark(self, loss: Any, inputs: Any, targets: Any) -> None:
         """One step boundary, however it was reached: the statistics, then the safe point."""
-        self._guarded(self._collector.boundary, loss, inputs, targets)
+        self._guarded(self._collector.boundary, loss, inputs, targets, self._boundaries.explicit)
         if self._pausectl is not None:
             self._pause_point(loss, inputs, targets)
 

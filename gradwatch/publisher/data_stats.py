@@ -1,0 +1,61 @@
+"""Statistics of an input or target batch: count, non-finite count, range, mean, std, integer dtype."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+INF = float("inf")
+DATA_FIELDS = ("numel", "nonfinite", "min", "max", "mean", "std")
+
+
+def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tensor | tuple[float, ...] | None:
+    """[numel, nonfinite, min, max, mean, std, integer, spread] of a batch, over its finite values.
+
+    ``integer``: 1.0 for an integer dtype (token ids, class indices), whose range says nothing about
+    normalisation. ``spread`` (only when asked: on trouble steps, CPU) is max |x - x[0]|, 0 when every
+    sample of the batch is the same; NaN when not measured.
+
+    On CPU the cheap pass (aminmax, sum, dot) is checked on the host and the masked pass runs only if
+    something is non-finite; on CUDA the masked pass always runs so no value is read on the host.
+    """
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    x = t.detach()
+    integer = 0.0 if (x.is_floating_point() or x.is_complex()) else 1.0
+    if x.is_complex():
+        x = x.abs()
+    if x.dtype != torch.float32:
+        x = x.float()
+    numel = float(x.numel())
+    sp = math.nan
+    if spread and exact_on_host and x.dim() >= 1 and x.shape[0] > 1:
+        sp = float((x - x[:1]).abs().amax())  # CPU, trouble steps only
+    if exact_on_host:
+        lo, hi = torch.aminmax(x)
+        lo_f, hi_f = lo.item(), hi.item()  # CPU: no device queue to stall
+        if math.isfinite(lo_f) and math.isfinite(hi_f):
+            # sum and sum of squares (two fast reductions); torch.std_mean is a Welford pass that
+            # took 360 us on a 64x1024 batch here, against 12 us for these two.
+            flat = x.reshape(-1)
+            mean = flat.sum().item() / numel
+            var = max(torch.dot(flat, flat).item() / numel - mean * mean, 0.0)
+            if lo_f == hi_f:
+                var = 0.0  # a constant batch: exactly, not the rounding residue of the formula above
+            return (numel, 0.0, lo_f, hi_f, mean, math.sqrt(var), integer, sp)
+    fin = torch.isfinite(x)
+    cnt = fin.sum()
+    nonfinite = numel - cnt.float()
+    safe_cnt = cnt.clamp_min(1).float()
+    xs = torch.where(fin, x, 0.0)
+    mean = xs.sum() / safe_cnt
+    var = (torch.where(fin, x - mean, 0.0) ** 2).sum() / safe_cnt
+    lo = torch.where(fin, x, INF).amin()
+    hi = torch.where(fin, x, -INF).amax()
+    if exact_on_host:  # CPU with non-finite values: read now, like the cheap pass
+        return (numel, float(nonfinite), float(lo), float(hi), float(mean), float(var.sqrt()), integer, sp)
+    # torch.full, not torch.tensor: a pageable host->device copy would synchronise the stream
+    return torch.stack((torch.full((), numel, device=x.device), nonfinite, lo, hi, mean, var.sqrt(),
+                        torch.full((), integer, device=x.device), torch.full((), math.nan, device=x.device)))
