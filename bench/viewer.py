@@ -441,8 +441,6 @@ def viewer_main(argv: list[str]) -> int:
         setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
     if args.breakdown:  # bench-only timing wrappers (cost ~1-2 % of a core); gradwatch itself is untouched
-        from textual.widgets import DataTable
-        from textual_plotext import PlotextPlot
 
         from gradwatch.tui.state import RunState
         from gradwatch.tui.widgets.heat_table import HeatTable
@@ -450,14 +448,11 @@ def viewer_main(argv: list[str]) -> int:
 
         timed_method(RunState, "rows", "model: RunState.rows()")
         timed_method(RunState, "heat", "model: RunState.heat() x rows")
-        timed_method(HeatTable, "_cells", "table: HeatTable._cells (rich Text per cell, heat strips)")
-        timed_method(DataTable, "clear", "table: DataTable.clear()")
-        timed_method(DataTable, "add_row", "table: DataTable.add_row() x rows")
-        timed_method(DataTable, "update_cell", "table: DataTable.update_cell() x cells")
-        timed_method(DataTable, "_update_dimensions", "table: DataTable._update_dimensions (measure every cell, on idle)")
-        timed_method(DataTable, "render_line", "table: DataTable.render_line (compositor)")
+        timed_method(HeatTable, "show", "table: HeatTable.show() (rows in, changed lines marked)")
+        timed_method(HeatTable, "_row_cells", "table: HeatTable._row_cells (cell pieces, heat strips)")
+        timed_method(HeatTable, "render_line", "table: HeatTable.render_line (compositor)")
         timed_method(SeriesPlot, "show", "plots: SeriesPlot.show() (data in)")
-        timed_method(PlotextPlot, "render", "plots: PlotextPlot.render (plotext build, compositor)")
+        timed_method(SeriesPlot, "render_line", "plots: SeriesPlot.render_line (braille build, compositor)")
     ts_of: dict[int, float] = {}
     ts_order: collections.deque[int] = collections.deque()
     profiles: dict[str, cProfile.Profile] = {}
@@ -1027,7 +1022,7 @@ def main() -> int:
     ap.add_argument("--variants", default="app",
                     help=f"comma-separated, of {', '.join(VARIANTS)}: bench-only experiments on the viewer (app = as shipped)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="time the UI's parts (model, table cells, DataTable, plotext) with wrappers (~1-2 %% overhead)")
+                    help="time the UI's parts (model, table cells and lines, plotext) with wrappers (~1-2 %% overhead)")
     ap.add_argument("--keep-raw", action="store_true")
     ap.add_argument("--params", type=int, default=2 * N_LINEAR,
                     help="parameter tensors in the schema (default 1,000; the protocol allows 200,000)")

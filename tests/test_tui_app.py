@@ -160,7 +160,7 @@ def test_freeze_keeps_receiving_but_not_drawing() -> None:
             await pilot.pause(1.0)
             assert app.state.last_step > step_before  # data kept arriving
             assert str(table.get_cell_at((0, 1))) == shown  # ...but the screen did not move
-            frozen_plot = app.query_one("#plot-loss", SeriesPlot).plt
+            frozen_plot = app.query_one("#plot-loss", SeriesPlot)
             await pilot.press("space")
             await pilot.pause(0.3)
             assert not app.frozen and frozen_plot is not None

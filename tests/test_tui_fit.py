@@ -22,7 +22,6 @@ from gradwatch.tui.synthetic import SyntheticSource, synthetic_messages
 from gradwatch.tui.widgets.heat_table import HeatTable, compact, nonfinite_cell, shorten_middle
 from gradwatch.tui.widgets.plots import SeriesPlot, split_segments, step_ticks
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class _One(App[None]):
@@ -31,15 +30,14 @@ class _One(App[None]):
 
 
 def _canvas(steps: np.ndarray, values: np.ndarray, log: bool) -> list[str]:
-    async def go() -> str:
+    async def go() -> list[str]:
         app = _One()
         async with app.run_test(size=(60, 16)) as pilot:
             plot = app.query_one(SeriesPlot)
             plot.show(steps, values, log=log)
             await pilot.pause(0.1)
-            plot.plt.plotsize(60, 16)
-            return ANSI.sub("", plot.plt.build())
-    return asyncio.run(go()).splitlines()
+            return plot.text_lines(60, 16)
+    return asyncio.run(go())
 
 
 def test_a_log_axis_puts_the_largest_value_on_top_and_ticks_are_whole_steps() -> None:
@@ -102,7 +100,7 @@ def test_every_column_header_fits(size: tuple[int, int]) -> None:
             table = app.query_one("#table", HeatTable)
             await _until(pilot, lambda: table.row_count > 0 and app.state.last_step == 149)
             await pilot.pause(0.5)
-            width = sum(c.get_render_width(table) for c in table.columns.values())
+            width = sum(table.column_widths())
             assert width <= table.size.width, (width, table.size.width)  # no column is cut
             return app.export_screenshot()
     text = _texts(asyncio.run(go()))

@@ -43,7 +43,7 @@ HEAT_WIDTH = 24
 FRAME_BUDGET = 0.35
 #: ...and the UI thread as a whole (frames plus Textual's rendering) about this share of a core.
 UI_CPU_BUDGET = 0.4
-#: Plots are redrawn at most this often (plotext is the most expensive part of a frame: ~20 ms a plot).
+#: Plots are redrawn at most this often (~1 ms a plot since plotext was replaced; the compositor costs more).
 PLOT_INTERVAL_S = 0.5
 #: Below this many (columns, rows) the plots give way to one sparkline each (plotext lost its titles).
 COMPACT_BELOW = (100, 30)
@@ -359,8 +359,7 @@ class GradwatchApp(PauseActions, App[None]):
         self.query_one("#plot-update", SeriesPlot).show(*data["max_update"], log=log)
         if self.focus_step is not None:
             for plot in self.query(SeriesPlot):
-                plot.plt.vline(self.focus_step, "cyan")
-                plot.refresh()
+                plot.mark(self.focus_step)
 
     def _redraw(self) -> None:
         """View state changed (a key): draw on the next loop turn, not from inside a watcher."""
@@ -443,8 +442,11 @@ class GradwatchApp(PauseActions, App[None]):
         self.notify("reconnecting", timeout=2)
 
 
-    def on_data_table_row_selected(self, event: HeatTable.RowSelected) -> None:
-        self.selected_layer = self.query_one("#table", HeatTable).layer_at(event.row_key.value)
+    def on_heat_table_row_selected(self, event: HeatTable.RowSelected) -> None:
+        self.selected_layer = event.layer
+
+    def on_heat_table_window_moved(self) -> None:
+        self._table_stale = True  # rows scrolled into view get their heat strips on the next frame
 
     def on_alert_pane_silence(self, event: AlertPane.Silence) -> None:
         a = event.alert

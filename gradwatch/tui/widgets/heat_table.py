@@ -1,155 +1,143 @@
 """Per-layer table: current gradient norm, a heat strip of recent steps, weight norm, update ratio, NaNs.
 
 The strip colours each step by log10(norm / the layer's own median), so "which layer jumped" stands
-out whatever the layers' absolute scales. Rows are keyed by index and updated in place; the row set
-is rebuilt only when the filter, grouping or sort order changes (docs/design.md: a DataTable refresh
-costs tens of ms, so the app calls :meth:`HeatTable.show` at most ~8 times a second).
+out whatever the layers' absolute scales. This is a small line-API widget, not a ``DataTable``: any
+``DataTable.update_cell`` invalidated every cached cell render, so each frame cost ~90-200 ms of
+Textual's compositor (bench README 5.3). Here a frame repaints only the lines on screen whose text
+changed, and each line is one ``Strip`` made from pre-styled pieces (``heat_cells``).
 """
 
 from __future__ import annotations
 
-import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
+from rich.cells import cell_len, set_cell_size
+from rich.segment import Segment
 from rich.style import Style
-from rich.text import Text
-from textual.widgets import DataTable
-from textual.widgets.data_table import ColumnKey
+from textual import events
+from textual.binding import Binding
+from textual.geometry import Region
+from textual.message import Message
+from textual.strip import Strip
+from textual.widget import Widget
 
-from gradwatch.text import num
-from gradwatch.tui.widgets.sparks import BLOCKS
+from gradwatch.tui.widgets.heat_cells import (Cell, compact, heat_strip, nonfinite_cell,  # noqa: F401 (re-exported)
+                                              row_cells, shorten_middle)
 
 COLUMNS = (("name", "layer", 30), ("grad", "grad norm", 10), ("heat", "recent steps (vs own median)", 28),
            ("weight", "weight norm", 11), ("update", "update ratio", 12), ("nf", "non-finite", 12))
+#: Spaces on each side of a cell, and the columns kept free on the right (the scroll thumb).
+PAD, GUTTER = 1, 2
 #: The name column takes what the others leave of the table's width, within these bounds; below
 #: NAME_MIN the heat strip gives up its oldest steps first, down to HEAT_MIN.
 NAME_MIN, NAME_MAX = 14, 60
 HEAT_MIN = 8
-#: Rows re-sorted at most this often (unless the user asks): a full rebuild of 1,000 rows is expensive.
+#: Rows re-sorted at most this often (unless the user asks): rows jumping around are hard to read.
 RESORT_S = 2.0
-#: Rows shown at most: the head of the current order (the most anomalous first by default). A model with
-#: 100,000 tensors would otherwise cost a DataTable of 100,000 rows; the rest is reached by filtering (/)
-#: or grouping by module (m), and the header of the name column says how many are left out. A screen shows
-#: ~30; 200 rows rebuild (every RESORT_S) in ~40 ms.
+#: Rows shown at most: the head of the current order (the most anomalous first by default). The rest is
+#: reached by filtering (/) or grouping by module (m); the name column's header says how many are left out.
 MAX_ROWS = 200
 
 
-def _palette() -> list[Style]:
-    out = []
-    for i in range(41):
-        c = i / 20 - 1.0
-        if c >= 0:
-            r, g, b = 120 + int(135 * c), 120 - int(100 * c), 120 - int(100 * c)
-        else:
-            r, g, b = 120 + int(100 * c), 120 + int(40 * c), 120 - int(135 * c)
-        out.append(Style(color=f"rgb({r},{g},{b})"))
-    return out
-
-
-_PALETTE = _palette()  # one Style per colour, shared: building Styles per cell cost ~100 ms a frame
-_BAD = Style(color="white", bgcolor="red", bold=True)
-
-
-def heat_strip(values: np.ndarray) -> Text:
-    """One cell per step, a coloured sparkline of the layer's gradient norm against its own median: the
-    height is the log-deviation (bottom: 10x below, top: 10x above), the colour says the same for a glance
-    (blue - grey - red); ! (red) for non-finite, blank where the layer had no gradient."""
-    t = Text(no_wrap=True)
-    top = len(BLOCKS) - 1
-    for v in values.tolist():
-        if v != v:
-            t.append(" ")
-        elif v in (math.inf, -math.inf):
-            t.append("!", style=_BAD)
-        else:
-            c = max(-1.0, min(1.0, v))
-            t.append(BLOCKS[int(round((c + 1.0) / 2.0 * top))], style=_PALETTE[int(round((c + 1.0) * 20))])
-    return t
-
-
-def compact(n: int) -> str:
-    """A count that fits its column: 561, 16.4k, 2.1M (16384 used to show as "1638")."""
-    if n < 10_000:
-        return str(n)
-    return f"{n / 1e3:.1f}k" if n < 1_000_000 else f"{n / 1e6:.1f}M"
-
-
-def nonfinite_cell(count: int, total: int) -> Text:
-    """Non-finite elements in the newest step, or (red) in how many earlier steps there were some: "561 steps"."""
-    if count:
-        return Text(">=1" if count < 0 else compact(count), style="bold white on red", justify="right")
-    if total:
-        return Text(f"{compact(total)} step{'s' * (total != 1)}", style="red", justify="right")
-    return Text("0", style="dim", justify="right")
-
-
-def shorten_middle(name: str, width: int) -> str:
-    """Cut in the middle, keeping the end, where a parameter's name says what it is:
-    ``blocks.layers.0.self_attn.out_proj.weight`` -> ``blocks.la…attn.out_proj.weight``."""
-    if len(name) <= width:
-        return name
-    if width < 5:
-        return name[-width:]
-    head = max(2, (width - 1) // 3)
-    return f"{name[:head]}\u2026{name[len(name) - (width - 1 - head):]}"
-
-
-class HeatTable(DataTable[Any]):
-    """Rows are layers (or modules); the app feeds it ``Row`` objects and heat arrays."""
+class HeatTable(Widget, can_focus=True):
+    """Rows are layers (or modules), by position; the app feeds it ``Row`` objects and heat arrays.
+    Up/down/page/home/end move the cursor, enter (or a click) posts :class:`HeatTable.RowSelected`."""
 
     DEFAULT_CSS = """
-    HeatTable { height: 1fr; scrollbar-gutter: stable; }
+    HeatTable {
+        height: 1fr;
+        background: $surface;
+        color: $foreground;
+        &:focus { background-tint: $foreground 5%; }
+        & > .heat-table--header { text-style: bold; background: $panel; color: $foreground; }
+        & > .heat-table--even-row { background: $surface-lighten-1 50%; }
+        &:dark > .heat-table--even-row { background: $surface-darken-1 40%; }
+        & > .heat-table--cursor {
+            background: $block-cursor-blurred-background;
+            color: $block-cursor-blurred-foreground;
+            text-style: $block-cursor-blurred-text-style;
+        }
+        &:focus > .heat-table--cursor {
+            background: $block-cursor-background;
+            color: $block-cursor-foreground;
+            text-style: $block-cursor-text-style;
+        }
+        & > .heat-table--thumb { color: $scrollbar; }
+    }
     """
+    COMPONENT_CLASSES: ClassVar[set[str]] = {"heat-table--header", "heat-table--even-row", "heat-table--cursor",
+                                             "heat-table--thumb"}
+    BINDINGS = [Binding("up", "cursor(-1)", "up", show=False), Binding("down", "cursor(1)", "down", show=False),
+                Binding("pageup", "page(-1)", "page up", show=False),
+                Binding("pagedown", "page(1)", "page down", show=False),
+                Binding("home", "cursor(-1000000)", "top", show=False),
+                Binding("end", "cursor(1000000)", "bottom", show=False),
+                Binding("enter", "select_cursor", "select", show=False)]
+
+    class RowSelected(Message):
+        """The user chose a row (enter or a click): ``layer`` is its layer (or module) index."""
+
+        def __init__(self, row: int, layer: int | None) -> None:
+            super().__init__()
+            self.row = row
+            self.layer = layer
+
+    class WindowMoved(Message):
+        """Other rows came on screen: their heat strips need data (the app draws a frame)."""
 
     def __init__(self, *, id: str | None = None) -> None:
-        super().__init__(id=id, cursor_type="row", zebra_stripes=True)
-        self._order: list[str] = []
+        super().__init__(id=id)
+        self._order: list[str] = []  # layer keys by position (str(index), as before: tests read it)
+        self._rows: list[Any] = []
+        self._heats: dict[int, np.ndarray] = {}
+        self._cells: dict[int, tuple[Cell, ...]] = {}
         self._sorted_at = 0.0
+        self._top = 0
+        self.cursor_row = 0
+        self._label_text = COLUMNS[0][1]
         self._name_width = COLUMNS[0][2]
         self._heat_width = COLUMNS[2][2]
 
-    def on_mount(self) -> None:
-        for key, label, width in COLUMNS:  # fixed widths: nothing to measure on every rebuild
-            self.add_column(label, key=key, width=width)
+    # ------------------------------------------------------------------ geometry
+
+    @property
+    def row_count(self) -> int:
+        return len(self._order)
+
+    def _page(self) -> int:
+        return max(1, self.size.height - 1)  # the header takes one line
+
+    def column_widths(self) -> list[int]:
+        """Each column's width on screen, its padding included."""
+        return [(self._name_width if key == "name" else self._heat_width if key == "heat" else w) + 2 * PAD
+                for key, _, w in COLUMNS]
 
     def on_resize(self) -> None:
-        """The name column gets the width the fixed columns leave (the last column was cut to "non-"
-        at 160 columns); rows are rebuilt so that names are shortened for the new width."""
-        fixed = sum(w for key, _, w in COLUMNS if key not in ("name", "heat")) + 2 * self.cell_padding * len(COLUMNS)
-        room = self.size.width - 2 - fixed  # 2: the scrollbar's gutter
+        """The name column gets the width the fixed columns leave; the heat strip gives way below NAME_MIN."""
+        fixed = sum(w for key, _, w in COLUMNS if key not in ("name", "heat")) + 2 * PAD * len(COLUMNS)
+        room = self.size.width - GUTTER - fixed
         heat = max(HEAT_MIN, min(COLUMNS[2][2], room - NAME_MIN))
-        name = max(NAME_MIN, min(NAME_MAX, room - heat))
-        if (name, heat) == (self._name_width, self._heat_width):
-            return
-        self._name_width, self._heat_width = name, heat
-        for key, width in (("name", name), ("heat", heat)):
-            column = self.columns.get(ColumnKey(key))
-            if column is not None:
-                column.width = width
-        self._order = []  # rebuild on the next show()
-        self._clear_caches()
+        self._name_width, self._heat_width = max(NAME_MIN, min(NAME_MAX, room - heat)), heat
+        self._cells.clear()
+        self._scroll_to_cursor()
         self.refresh()
 
     def visible_window(self) -> tuple[int, int]:
         """The row range on screen now (plus a margin), the only rows whose cells are refreshed."""
-        top = int(self.scroll_offset.y)
-        height = max(1, self.size.height)
-        return max(0, top - 2), top + height + 2
+        return max(0, self._top - 2), self._top + self._page() + 2
+
+    # ------------------------------------------------------------------ data in
 
     def show(self, rows: Sequence[Any], heat: Callable[[int], np.ndarray], keep: int | None = None,
              force: bool = False, matched: int | None = None, sort: str = "") -> bool:
         """Show ``rows``. The order is re-applied when the row set changes, when ``force`` (the user
-        changed sort, filter or grouping) or at most every RESORT_S; otherwise only the cells of the rows
-        on screen are updated in place, so a frame costs the same for 20 or 2,000 layers.
-
-        Table rows are *positions* (row key "0" is the top row), not layers: re-applying the order
-        rewrites cells and never rebuilds rows (a rebuild of 200 rows cost ~110 ms of cell measuring,
-        and with 1,000 layers the set of the top 200 changes at nearly every frame).
+        changed sort, filter or grouping) or at most every RESORT_S; otherwise only the rows on screen
+        are updated in place, and only lines whose text changed are repainted.
 
         ``keep``: the layer the user selected; the cursor follows it when rows move. Without a
-        selection the cursor stays on the top row (the most anomalous one with the default sort).
+        selection the cursor stays on its position (the top row: the most anomalous one by default).
         Returns True while a re-sort is pending, or right after a re-order (the caller should come back
         even if no data arrives).
         """
@@ -160,85 +148,180 @@ class HeatTable(DataTable[Any]):
         same_set = len(order) == len(self._order) and set(order) == set(self._order)
         lo, hi = self.visible_window()
         if order != self._order and (force or not same_set or now - self._sorted_at >= RESORT_S):
-            self._positions(len(order))
-            self._order = order
-            self._sorted_at = now
-            for pos, key in enumerate(order):  # every row's text; the heat strips only on screen
-                row = by_key[key]
-                self._fill(pos, row, heat(row.index) if lo <= pos < hi else None)
-            if keep is not None and str(keep) in order:
-                self.move_cursor(row=order.index(str(keep)), animate=False)
+            self._order, self._rows, self._sorted_at = order, [by_key[k] for k in order], now
+            self._heats = {pos: heat(self._rows[pos].index) for pos in range(lo, min(hi, len(order)))}
+            self._cells.clear()
+            if keep is not None and str(keep) in by_key:
+                self.cursor_row = order.index(str(keep))
+            self.cursor_row = max(0, min(self.cursor_row, len(order) - 1))
+            self._scroll_to_cursor()
+            self.refresh()
             return True
         for pos in range(lo, min(hi, len(self._order))):
             row = by_key.get(self._order[pos])
-            if row is not None:
-                self._fill(pos, row, heat(row.index))
+            if row is None:
+                continue
+            self._rows[pos] = row
+            self._heats[pos] = heat(row.index)
+            old = self._cells.get(pos)
+            if self._row_cells(pos, cached=False) != old:
+                self._refresh_row(pos)
         return order != self._order
 
-    def _positions(self, n: int) -> None:
-        """Exactly ``n`` rows, keyed by position: rows are added or removed at the end only."""
-        have = self.row_count
-        for pos in range(have - 1, n - 1, -1):
-            self.remove_row(str(pos))
-        blank = tuple(Text("") for _ in COLUMNS)
-        for pos in range(have, n):
-            self.add_row(*blank, key=str(pos))
+    def _row_cells(self, pos: int, cached: bool = True) -> tuple[Cell, ...]:
+        cells = self._cells.get(pos) if cached else None
+        if cells is None:
+            cells = self._cells[pos] = row_cells(self._rows[pos], self._heats.get(pos), self._name_width,
+                                                 self._heat_width)
+        return cells
 
-    def _fill(self, pos: int, row: Any, heat: np.ndarray | None) -> None:
-        key = str(pos)
-        for (col, _, _), value in zip(COLUMNS, self._cells(row, heat)):
-            self.update_cell(key, col, value)
-
-    def layer_at(self, row_key: str | None) -> int | None:
-        """The layer shown in the row with this key (a position), or None."""
-        try:
-            return int(self._order[int(row_key)]) if row_key is not None else None
-        except (ValueError, IndexError):
-            return None
+    def _refresh_row(self, pos: int) -> None:
+        y = pos - self._top + 1
+        if 1 <= y < self.size.height:
+            self.refresh(Region(0, y, self.size.width, 1))
 
     def _label(self, shown: int, matched: int, sort: str = "") -> None:
         """The name column's header says the order and what is left out: "layer ▼anomaly", or
         "▼anomaly: 200 of 100,004" when only the head of the order is shown."""
         order = f"{'▲' if sort == 'name' else '▼'}{sort}" if sort else ""
-        if matched > shown:
-            text = f"{order or 'top'}: {shown:,} of {matched:,}"
-        else:
-            text = f"{COLUMNS[0][1]} {order}".rstrip()
-        column = self.columns.get(ColumnKey(COLUMNS[0][0]))
-        if column is not None and column.label.plain != text:
-            column.label = Text(text, no_wrap=True, overflow="ellipsis")
-            self._clear_caches()
-            self.refresh()
+        text = f"{order or 'top'}: {shown:,} of {matched:,}" if matched > shown else f"{COLUMNS[0][1]} {order}".rstrip()
+        if text != self._label_text:
+            self._label_text = text
+            self.refresh(Region(0, 0, self.size.width, 1))
 
     @property
     def heading(self) -> str:
         """The name column's header as shown (tests and the app's notes read it)."""
-        column = self.columns.get(ColumnKey(COLUMNS[0][0]))
-        return column.label.plain if column is not None else ""
+        return self._label_text
 
-    def _selected_key(self) -> str | None:
-        if not self._order or self.cursor_row < 0 or self.cursor_row >= len(self._order):
+    def get_cell_at(self, coordinate: tuple[int, int]) -> Cell:
+        """The cell at (row position, column), as drawn (``str()`` is its text)."""
+        return self._row_cells(coordinate[0])[coordinate[1]]
+
+    # ------------------------------------------------------------------ selection
+
+    def layer_at(self, pos: int | None) -> int | None:
+        """The layer shown at this row position, or None."""
+        if pos is None or not 0 <= pos < len(self._order):
             return None
-        return self._order[self.cursor_row]
+        return int(self._order[pos])
 
     def selected_index(self) -> int | None:
-        key = self._selected_key()
-        return int(key) if key is not None else None
+        return self.layer_at(self.cursor_row)
 
     def select_index(self, index: int) -> bool:
         key = str(index)
         if key in self._order:
-            self.move_cursor(row=self._order.index(key), animate=False)
+            self.move_cursor(row=self._order.index(key))
             return True
         return False
 
-    def _cells(self, row: Any, heat: np.ndarray | None) -> tuple[Any, ...]:
-        grad_style = "bold red" if not math.isfinite(row.grad_norm) else ""
-        return (
-            Text(shorten_middle(row.name, self._name_width), no_wrap=True, overflow="ellipsis"),
-            Text(num(row.grad_norm, 3), style=grad_style, justify="right"),
-            heat_strip(heat[-self._heat_width:]) if heat is not None else Text(""),  # the newest steps
-            Text(num(row.weight_norm, 3), justify="right"),
-            Text(num(row.update_ratio, 2), justify="right"),
-            nonfinite_cell(row.nonfinite, row.nonfinite_total),
-        )
+    def move_cursor(self, *, row: int, animate: bool = False) -> None:  # noqa: ARG002 - DataTable's signature
+        old = self.cursor_row
+        self.cursor_row = max(0, min(row, len(self._order) - 1))
+        if not self._scroll_to_cursor():
+            self._refresh_row(old)
+            self._refresh_row(self.cursor_row)
+
+    def _scroll_to_cursor(self) -> bool:
+        """Keep the cursor on screen; True if the window moved (then everything was repainted)."""
+        page = self._page()
+        top = min(max(self._top, self.cursor_row - page + 1), self.cursor_row)
+        return self._set_top(top)
+
+    def _set_top(self, top: int) -> bool:
+        top = max(0, min(top, len(self._order) - self._page()))
+        if top == self._top:
+            return False
+        self._top = top
+        self.refresh()
+        self.post_message(self.WindowMoved())
+        return True
+
+    def action_cursor(self, delta: int) -> None:
+        self.move_cursor(row=self.cursor_row + delta)
+
+    def action_page(self, pages: int) -> None:
+        self.move_cursor(row=self.cursor_row + pages * self._page())
+
+    def action_select_cursor(self) -> None:
+        if self._order:
+            self.post_message(self.RowSelected(self.cursor_row, self.layer_at(self.cursor_row)))
+
+    def on_click(self, event: events.Click) -> None:
+        offset = event.get_content_offset(self)
+        if offset is None or offset.y < 1:
+            return
+        pos = self._top + offset.y - 1
+        if pos < len(self._order):
+            self.move_cursor(row=pos)
+            self.action_select_cursor()
+
+    def on_mouse_scroll_down(self, event: events.MouseScrollDown) -> None:
+        event.stop()
+        self._set_top(self._top + 3)
+
+    def on_mouse_scroll_up(self, event: events.MouseScrollUp) -> None:
+        event.stop()
+        self._set_top(self._top - 3)
+
+    def on_focus(self) -> None:
+        self._refresh_row(self.cursor_row)  # the cursor's colour says where the keys go
+
+    def on_blur(self) -> None:
+        self._refresh_row(self.cursor_row)
+
+    # ------------------------------------------------------------------ drawing
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        base = self.rich_style
+        if y == 0:
+            style = base + self.get_component_rich_style("heat-table--header")
+            labels = [Cell(((self._label_text if key == "name" else label, None),)) for key, label, _ in COLUMNS]
+            return self._strip(labels, style, width, ellipsis=True)
+        pos = self._top + y - 1
+        if pos >= len(self._order):
+            return Strip.blank(width, base)
+        style = base
+        if pos == self.cursor_row:
+            style = base + self.get_component_rich_style("heat-table--cursor")
+        elif pos % 2 == 0:
+            style = base + self.get_component_rich_style("heat-table--even-row")
+        strip = self._strip(self._row_cells(pos), style, width)
+        n, page = len(self._order), self._page()
+        if n > page and width > 0:  # a scroll thumb in the gutter's last column
+            first = self._top * page // n
+            if first <= y - 1 <= first + max(1, page * page // n) - 1:
+                thumb = Segment("\u2590", base + self.get_component_rich_style("heat-table--thumb"))
+                strip = Strip(list(strip.crop(0, width - 1)) + [thumb], width)
+        return strip
+
+    def _strip(self, cells: Sequence[Cell], style: Style, width: int, ellipsis: bool = False) -> Strip:
+        """One line: each cell padded to its column (cut at its width), the rest blank."""
+        segs: list[Segment] = []
+        pad = Segment(" " * PAD, style)
+        for cell, w in zip(cells, self.column_widths()):
+            w -= 2 * PAD
+            segs.append(pad)
+            used = 0
+            parts: list[Segment] = []
+            for text, piece_style in cell.pieces:
+                n = cell_len(text)
+                if used + n > w:
+                    text = set_cell_size(text, w - used)
+                    if ellipsis and text:
+                        text = text[:-1] + "\u2026"
+                    n = cell_len(text)
+                parts.append(Segment(text, style + piece_style if piece_style is not None else style))
+                used += n
+                if used >= w:
+                    break
+            fill = Segment(" " * (w - used), style) if used < w else None
+            if fill is not None and cell.right:
+                segs.append(fill)
+            segs += parts
+            if fill is not None and not cell.right:
+                segs.append(fill)
+            segs.append(pad)
+        return Strip(segs).extend_cell_length(width, style).crop(0, width)
