@@ -22,7 +22,9 @@ DOMAIN = b"gradwatch"
 class CurveServer:
     """The run's CURVE keys and its ZAP allow-list; :meth:`secure` turns a socket into a server."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, share: dict[str, str] | None = None) -> None:
+        """New keys, or (``share``, from :meth:`share`) the same server key and allow-list in another
+        process: the trainer's sidecar serves the stream socket of the same run."""
         import zmq
 
         if not zmq.has("curve"):
@@ -32,8 +34,12 @@ class CurveServer:
         from zmq.auth.thread import ThreadAuthenticator
 
         self._zmq = zmq
-        server_public, self._server_secret = zmq.curve_keypair()
-        client_public, client_secret = zmq.curve_keypair()
+        if share is None:
+            server_public, self._server_secret = zmq.curve_keypair()
+            client_public, client_secret = zmq.curve_keypair()
+        else:
+            server_public, self._server_secret = share["server_public"].encode(), share["server_secret"].encode()
+            client_public, client_secret = share["client_public"].encode(), b""
         allowed = {client_public}
 
         class _AllowList:
@@ -46,6 +52,12 @@ class CurveServer:
         #: what the connection file carries (z85): the viewer's side of the handshake
         self.keys = {"server_public": server_public.decode(), "client_public": client_public.decode(),
                      "client_secret": client_secret.decode()}
+
+    def share(self) -> dict[str, str]:
+        """What another process needs to serve a socket of this run: the server keypair and the allowed
+        client key (secret: it travels through a pipe, never argv or the environment)."""
+        return {"server_public": self.keys["server_public"], "server_secret": self._server_secret.decode(),
+                "client_public": self.keys["client_public"]}
 
     def secure(self, sock: Any) -> None:
         """Make ``sock`` (before bind) a CURVE server that admits only the allow-listed client key."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 
@@ -16,7 +18,9 @@ p.add_argument("--no-close", action="store_true")
 p.add_argument("--pace", type=float, default=0.0)
 p.add_argument("--name", default="trainer")
 p.add_argument("--crash-at", type=int, default=-1)
-p.add_argument("--fault", choices=["", "sign", "send"], default="")
+p.add_argument("--fault", choices=["", "sign", "send", "sidecar"], default="",
+               help="sign/send: break the sender thread's signer or socket (GRADWATCH_SIDECAR=0: the sidecar runs the "
+                    "same Sender); sidecar: SIGKILL this run's sidecar process at step 100")
 p.add_argument("--endpoint", default=None)
 p.add_argument("--linger", type=float, default=0.0, help="stay alive this long after the loop, before close()")
 p.add_argument("--max-pause", type=float, default=1800.0)
@@ -52,6 +56,8 @@ if args.tensors:  # the viewer's big-model case: 100,000 tensors without 100,000
 if args.evil_name:  # OSC 2 (window title) and OSC 52 (clipboard write): must never reach a terminal raw
     model.add_module("fc\x1b]2;PWNED\x07\x1b]52;c;cHduZWQ=\x07", torch.nn.Identity())
 opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=bool(args.tensors) or None)
+if args.fault in ("sign", "send"):
+    os.environ["GRADWATCH_SIDECAR"] = "0"
 gw = gradwatch.watch(model, opt, name=args.name, endpoint=args.endpoint, max_pause=args.max_pause,
                      control=not args.no_control, debug_in=args.debug_in)
 if args.fault == "sign":
@@ -78,6 +84,8 @@ for i in range(args.steps):
         x, y = next(batches)
     if i == args.crash_at:
         raise RuntimeError("boom: the training script crashed")
+    if args.fault == "sidecar" and i == 100:
+        os.kill(gw.sender.pid, signal.SIGKILL)  # type: ignore[union-attr]
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     gw.step(loss, inputs=x, targets=y)

@@ -79,15 +79,16 @@ def test_an_old_unreadable_connection_file_is_removed_once(runtime: Path) -> Non
 
 def test_the_flight_recorder_leaves_no_empty_file_on_a_failed_write(runtime: Path) -> None:
     """A NaN input makes the first critical alert; the flight record cannot be written (file size limit set
-    after start-up): the alert still goes out, without a flight-record path, and no .gwrec is left."""
+    after start-up, on the sidecar that writes it): the alert still goes out, without a flight-record path, and no .gwrec is left."""
     script = textwrap.dedent("""
-        import math, resource, signal, torch, gradwatch
+        import math, resource, signal, time, torch, gradwatch
         m = torch.nn.Linear(4, 1)
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         gw = gradwatch.watch(m, opt, announce=False)
         client = gradwatch.connect(gw.run_id)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+        # the flight recorder writes from the sidecar process: the limit goes on that one
+        resource.prlimit(gw.sender.pid, resource.RLIMIT_FSIZE, (0, 0))
         for k in range(6):
             x = torch.randn(8, 4)
             if k == 3:
@@ -100,6 +101,7 @@ def test_the_flight_recorder_leaves_no_empty_file_on_a_failed_write(runtime: Pat
             if getattr(msg, "step", -1) == 5 and alerts:
                 break
         first = alerts[0]
+        time.sleep(0.6)  # the sidecar reports its last error to the trainer 4 times a second
         print("ALERT", first.data["kind"], "flight_record" in first.data, gw.sender.last_error)
         gw.close()
     """)

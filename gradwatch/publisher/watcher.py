@@ -42,7 +42,6 @@ from gradwatch.publisher.exits import close_at_exit, install_excepthook, rank_wo
 from gradwatch.publisher.null import NullWatcher  # noqa: F401 - re-exported: it used to live here
 from gradwatch.publisher.pause import PauseControl
 from gradwatch.publisher.probes import GradProbe, hyper_of
-from gradwatch.publisher.sender import Sender
 from gradwatch.publisher.trouble import DETAIL_EVERY
 from gradwatch.publisher.wiring import open_transport
 
@@ -70,7 +69,7 @@ class Watcher:
         self._forked_calls = 0
         self._closed = False
         self.disabled_reason: str | None = None
-        self.sender: Sender | None = None
+        self.sender: Any = None  # a Sender thread, or the SidecarSender of the sidecar process
         self.connection_file: Path | None = None
         self.endpoint: str | None = None
         self.control_endpoint: str | None = None
@@ -249,8 +248,12 @@ class Watcher:
             self._pause_point(loss, inputs, targets)
 
     def _submit(self, frame: Any) -> None:
-        assert self.sender is not None
-        self.sender.submit(frame)
+        sender = self.sender
+        assert sender is not None
+        sender.submit(frame)
+        dead = getattr(sender, "dead_reason", None)  # the sidecar process is gone (killed, crashed)
+        if dead is not None:
+            self._disable(dead)
 
     def _measure_clip(self) -> None:
         if self._collector.clip_due is not None:
@@ -379,7 +382,7 @@ class Watcher:
                 final = (("crashed", crashed) if crashed else
                          ("finished", f"stopped ({stopped}) after {step} steps") if stopped else
                          ("finished", f"{step} steps"))
-                self.sender.stop(final=final, timeout=1.0)
+                self.sender.stop(final=final, timeout=1.5)
                 if not self.sender.is_alive() and self._ctx is not None:
                     self._ctx.destroy(linger=0)
             self._stop_auth()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradwatch import protocol, transport
@@ -15,7 +16,8 @@ from gradwatch.curve import CurveServer
 from gradwatch.publisher.collect import scaler_enabled
 from gradwatch.publisher.exits import log_line
 from gradwatch.publisher.pause import PauseControl
-from gradwatch.publisher.sender import BATCH_BYTES, HISTORY_CHUNK_BYTES, SUBSCRIBER_BUDGET, Sender, SenderConfig
+from gradwatch.publisher.sender import Sender, SenderConfig
+from gradwatch.publisher.stream import frame_bytes, open_stream
 
 if TYPE_CHECKING:  # pragma: no cover
     from gradwatch.publisher.watcher import Watcher
@@ -24,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def open_transport(w: Watcher) -> bool:
     """Bind the stream socket and write the connection file; on failure disable with one warning."""
     control_sock: Any = None
+    sidecar: Any = None
     try:
         import zmq
 
@@ -41,25 +44,19 @@ def open_transport(w: Watcher) -> bool:
         except BaseException:
             ctx.destroy(linger=0)
             raise
-        sock = ctx.socket(zmq.XPUB)
-        # SNDHWM counts frames: size it for the largest frame (a batch or history chunk, or one step of
-        # a big model), so a subscriber that stops reading holds at most ~SUBSCRIBER_BUDGET bytes
-        frame = max(BATCH_BYTES, HISTORY_CHUNK_BYTES, w._probe.n * 4 * 4 + 2048)
-        for opt, val in ((zmq.LINGER, 0), (zmq.SNDHWM, max(4, min(1000, SUBSCRIBER_BUDGET // frame))),
-                         (zmq.XPUB_VERBOSER, 1), (zmq.SNDTIMEO, 0), (zmq.MAXMSGSIZE, 4096),
-                         (zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 3000), (zmq.HEARTBEAT_TTL, 3000)):
-            sock.setsockopt(opt, val)
+        frame = frame_bytes(w._probe.n)
+        sock: Any = None
         try:
-            if w._auth is not None:
-                w._auth.secure(sock)
-            sock.bind(endpoint)
-            bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-            path = transport.endpoint_path(bound)
-            if path:
-                os.chmod(path, 0o600)
             control = None
-            if w.cfg.control:
-                control_sock, control = _bind_control(w, ctx, bound)
+            if use_sidecar():
+                # the command socket first: the schema the sidecar serves says whether there is one
+                if w.cfg.control:
+                    control_sock, control = _bind_control(w, ctx, endpoint)
+                sidecar, bound = _start_sidecar(w, key, endpoint, frame, control_sock is not None)
+            if sidecar is None:
+                sock, bound = open_stream(ctx, endpoint, frame, w._auth)
+                if w.cfg.control and control_sock is None:
+                    control_sock, control = _bind_control(w, ctx, bound)
             s = w._schema
             info = transport.RunInfo(run=w.run_id, name=w.name, host=s.host, pid=s.pid, started=s.started,
                                      stream=bound, key=key, control=control,
@@ -67,7 +64,10 @@ def open_transport(w: Watcher) -> bool:
                                      rank=s.rank, world_size=s.world_size, pid_start=transport._pid_start(s.pid))
             w.connection_file = transport.write_connection_file(info)
         except BaseException:
-            sock.close(linger=0)
+            if sock is not None:
+                sock.close(linger=0)
+            if sidecar is not None:
+                sidecar.stop(timeout=0.5)
             if control_sock is not None:
                 control_sock.close(linger=0)
             if w._auth is not None:
@@ -84,16 +84,62 @@ def open_transport(w: Watcher) -> bool:
     if control_sock is not None:
         _start_control(w, control_sock, key)
     schema = w._schema
+    on_alert = w._pausectl.on_alert if w._pausectl is not None else None
+    if sidecar is not None:
+        sidecar.counters_extra, sidecar._on_alert = w._counters, on_alert
+        sidecar.connection_file(w.connection_file)
+        w.sender = sidecar
+        w.sender.event("started", 0, f"pid {schema.pid} on {schema.host}")
+        return True
     w.sender = Sender(
         SenderConfig(run=w.run_id, history_steps=w.cfg.history, queue_size=w.cfg.queue_size,
-                     scaler_enabled=bool(w.scaler is not None and scaler_enabled(w.scaler)),
-                     counters_extra=w._counters, diagnoser=_make_diagnoser(w), name=w.name,
-                     on_alert=w._pausectl.on_alert if w._pausectl is not None else None),
+                     scaler_enabled=_scaler_on(w), counters_extra=w._counters, diagnoser=_make_diagnoser(w),
+                     name=w.name, on_alert=on_alert),
         protocol.Signer(key), sock, lambda seq, ts: protocol.pack_body(dataclasses.replace(schema, seq=seq, ts=ts)),
     )
     w.sender.start()
     w.sender.event("started", 0, f"pid {schema.pid} on {schema.host}")
     return True
+
+
+def use_sidecar() -> bool:
+    """The sidecar process is the default; ``GRADWATCH_SIDECAR=0`` keeps the sender in a thread."""
+    return os.environ.get("GRADWATCH_SIDECAR", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _scaler_on(w: Watcher) -> bool:
+    return bool(w.scaler is not None and scaler_enabled(w.scaler))
+
+
+def _start_sidecar(w: Watcher, key: bytes, endpoint: str, frame: int, control: bool) -> tuple[Any, str | None]:
+    """Start the sidecar and let it bind ``endpoint``. A sidecar that cannot start (no usable Python, a
+    slow import) leaves the sender in a thread, with one warning; a bind it refuses is the run's error."""
+    from gradwatch.publisher import handoff
+    from gradwatch.publisher.ring import Ring
+
+    ring_path = Path(transport.endpoint_path(transport.ipc_endpoint(w.run_id, "ring")[0]) or "")
+    est = frame + 64 * len(w._schema.modules) + 8192
+    ring = Ring.create(ring_path, max(4 << 20, min(64 << 20, 256 * est)))
+    diag = w.cfg.diagnose
+    config = {
+        "ring": str(ring_path), "run": w.run_id, "key": key, "endpoint": endpoint, "frame": frame,
+        "curve": w._auth.share() if w._auth is not None else None, "schema": protocol.pack_body(dataclasses.replace(w._schema, control=control)),
+        "history": w.cfg.history, "queue_size": w.cfg.queue_size, "scaler_enabled": _scaler_on(w),
+        "name": w.name, "trainer_pid": os.getpid(),
+        "diagnose": None if diag is False else dataclasses.asdict(diag) if dataclasses.is_dataclass(diag) else True,
+    }
+    try:
+        proc, answer = handoff.spawn(config)
+    except handoff.BindError as exc:
+        ring.close()
+        raise transport.TransportError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001
+        ring.close()
+        warn(f"the telemetry sidecar did not start ({exc}); sending from a thread of the trainer instead")
+        return None, None
+    finally:
+        ring_path.unlink(missing_ok=True)  # both sides have it mapped; nothing is left behind, even after SIGKILL
+    return handoff.SidecarSender(proc, ring, None), answer["endpoint"]
 
 
 def _bind_control(w: Watcher, ctx: Any, stream: str) -> tuple[Any, str | None]:

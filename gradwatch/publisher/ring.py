@@ -1,0 +1,145 @@
+"""Two byte rings in one shared-memory file: trainer -> sidecar (steps, events) and sidecar -> trainer
+(alerts for ``pause_on``, counters).
+
+Why a ring in shared memory (docs/design.md, "The sidecar"): handing a step to another process must cost
+the training thread a memcpy and two integer stores -- no syscall, no lock shared with another process,
+no wake-up. Each direction has exactly one writer and one reader (the trainer's writers serialise on a
+thread lock of their own). Positions are byte counters that only grow; the writer stores the record
+first and its position after, the reader reads the position first and the record after, so a reader
+never sees a half-written record (x86-64 and aarch64 keep these aligned 8-byte stores in order for a
+reader that loads the position before the payload; the payload copy is a C memcpy under the GIL).
+
+A record is a little-endian u32 length and the payload, wrapping around the end of the ring. A record
+that does not fit in the free space is refused (``write`` returns False, the caller counts a drop):
+nothing ever blocks, and memory is fixed at creation.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+MAGIC = 0x67776174_72696E67  # "gwatring"
+_HEADER = 320
+# offsets of the four positions, each on its own cache line
+_FWD_W, _FWD_R, _BACK_W, _BACK_R = 64, 128, 192, 256
+_Q = struct.Struct("<Q")
+_L = struct.Struct("<I")
+
+
+class RingError(RuntimeError):
+    """The file is not a ring of ours (wrong magic or size)."""
+
+
+class Ring:
+    """One shared-memory file, two rings. :meth:`create` on the trainer side, :meth:`attach` in the sidecar."""
+
+    def __init__(self, mm: mmap.mmap, fwd_cap: int, back_cap: int) -> None:
+        self._mm = mm
+        self.fwd_cap = fwd_cap
+        self.back_cap = back_cap
+        self._fwd_at = _HEADER
+        self._back_at = _HEADER + fwd_cap
+
+    @classmethod
+    def create(cls, path: Path, fwd_cap: int, back_cap: int = 256 * 1024) -> Ring:
+        """A new ring file at ``path`` (0600, never an existing file)."""
+        size = _HEADER + fwd_cap + back_cap
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        struct.pack_into("<QQQ", mm, 0, MAGIC, fwd_cap, back_cap)
+        return cls(mm, fwd_cap, back_cap)
+
+    @classmethod
+    def attach(cls, path: str | Path) -> Ring:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER:
+                raise RingError(f"{path} is not a gradwatch ring ({size} bytes)")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        magic, fwd_cap, back_cap = struct.unpack_from("<QQQ", mm, 0)
+        if magic != MAGIC or _HEADER + fwd_cap + back_cap != size:
+            mm.close()
+            raise RingError(f"{path} is not a gradwatch ring")
+        return cls(mm, fwd_cap, back_cap)
+
+    # ------------------------------------------------------------------ the two directions
+
+    def write(self, payload: bytes) -> bool:
+        """Trainer -> sidecar. False (nothing written) when the record does not fit now."""
+        return self._write(payload, self._fwd_at, self.fwd_cap, _FWD_W, _FWD_R)
+
+    def read(self, limit: int = 1 << 30) -> list[bytes]:
+        """Sidecar: up to ``limit`` records the trainer wrote, oldest first."""
+        return self._read(self._fwd_at, self.fwd_cap, _FWD_W, _FWD_R, limit)
+
+    def write_back(self, payload: bytes) -> bool:
+        """Sidecar -> trainer."""
+        return self._write(payload, self._back_at, self.back_cap, _BACK_W, _BACK_R)
+
+    def read_back(self, limit: int = 1 << 30) -> list[bytes]:
+        return self._read(self._back_at, self.back_cap, _BACK_W, _BACK_R, limit)
+
+    def pending(self) -> int:
+        """Bytes written to the forward ring and not read yet."""
+        mm = self._mm
+        return _Q.unpack_from(mm, _FWD_W)[0] - _Q.unpack_from(mm, _FWD_R)[0]
+
+    def close(self) -> None:
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):  # a view still exported, or closed already
+            pass
+
+    # ------------------------------------------------------------------ one direction
+
+    def _write(self, payload: bytes, base: int, cap: int, w_at: int, r_at: int) -> bool:
+        mm = self._mm
+        w = _Q.unpack_from(mm, w_at)[0]
+        r = _Q.unpack_from(mm, r_at)[0]
+        n = _L.size + len(payload)
+        if n > cap - (w - r):
+            return False
+        self._put(base, cap, w, _L.pack(len(payload)))
+        self._put(base, cap, w + _L.size, payload)
+        _Q.pack_into(mm, w_at, w + n)  # after the record: the reader sees all of it or none
+        return True
+
+    def _put(self, base: int, cap: int, pos: int, data: bytes) -> None:
+        off = pos % cap
+        first = min(len(data), cap - off)
+        mm = self._mm
+        mm[base + off: base + off + first] = data[:first]
+        if first < len(data):
+            mm[base: base + len(data) - first] = data[first:]
+
+    def _get(self, base: int, cap: int, pos: int, n: int) -> bytes:
+        off = pos % cap
+        first = min(n, cap - off)
+        mm = self._mm
+        if first == n:
+            return mm[base + off: base + off + n]
+        return mm[base + off: base + cap] + mm[base: base + n - first]
+
+    def _read(self, base: int, cap: int, w_at: int, r_at: int, limit: int) -> list[bytes]:
+        mm = self._mm
+        w = _Q.unpack_from(mm, w_at)[0]
+        r = _Q.unpack_from(mm, r_at)[0]
+        out: list[bytes] = []
+        while r < w and len(out) < limit:
+            (n,) = _L.unpack(self._get(base, cap, r, _L.size))
+            if n > cap or r + _L.size + n > w:  # cannot happen with one writer of ours: stop, do not loop
+                raise RingError(f"corrupt ring record ({n} bytes at {r})")
+            out.append(self._get(base, cap, r + _L.size, n))
+            r += _L.size + n
+        _Q.pack_into(mm, r_at, r)
+        return out

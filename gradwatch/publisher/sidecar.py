@@ -1,0 +1,248 @@
+"""The sidecar: one process per watched trainer process that does everything after the measurement.
+
+Started by :func:`gradwatch.publisher.handoff.spawn` as ``python -m gradwatch.publisher.sidecar``; it
+never imports torch. It reads its configuration (run id, HMAC key, CURVE keys, schema, options) from
+stdin, binds the run's stream socket, answers one JSON line on stdout, then runs the ordinary
+:class:`~gradwatch.publisher.sender.Sender` fed from the shared-memory ring.
+
+It dies with the trainer (docs/design.md, "The sidecar"): stdin is a pipe whose other end only the
+trainer holds (forked children close it), so end-of-file on it, or a new parent pid, means the trainer
+is gone -- also after SIGKILL, when no code of the trainer runs. The sidecar then sends what the ring
+still holds, publishes ``crashed``, marks the connection file and exits. SIGINT is ignored (a Ctrl-C
+in the terminal is the trainer's to handle); SIGTERM makes it finish like a stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import signal
+import struct
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from gradwatch import protocol, transport
+from gradwatch.publisher.handoff import ALERT, CONN, COUNTERS, EVENT, STATUS, STOP, WORK, pack, unpack
+from gradwatch.publisher.ring import Ring
+from gradwatch.publisher.sender import Sender, SenderConfig
+
+#: The ring is read this often; steps reach the socket within about this plus the sender's drain.
+POLL_S = 0.01
+#: The sidecar reports its counters to the trainer this often.
+STATUS_S = 0.25
+
+
+@dataclasses.dataclass(slots=True)
+class HostWork:
+    """A step as the sidecar receives it: the fields of probes.Work, ``buf`` a numpy array."""
+
+    step: int
+    ts: float
+    buf: np.ndarray | None
+    layout: dict[str, tuple[int, int]]
+    event: Any
+    meta: dict[str, Any]
+    values: dict[str, bytes]
+
+
+class Sidecar:
+    def __init__(self, cfg: dict[str, Any], ring: Ring, sender: Sender) -> None:
+        self.cfg = cfg
+        self.ring = ring
+        self.sender = sender
+        self.trainer_pid = int(cfg["trainer_pid"])
+        self.layouts: dict[int, dict[str, tuple[int, int]]] = {}
+        self.trainer_counters: dict[str, int] = {}
+        self.connection_file: str | None = None
+        self.stop_request: tuple[str, str] | None | bool = False
+        self.terminated = False
+        self.bad_records = 0
+
+    # ------------------------------------------------------------------ records from the trainer
+
+    def dispatch(self, payload: bytes) -> None:
+        rec = unpack(payload)
+        kind = rec[0]
+        if kind == WORK:
+            _, step, ts, raw, lid, lay, meta, values = rec
+            if lay is not None:
+                self.layouts = {lid: {k: (a, b) for k, a, b in lay}}  # only the newest is ever referenced
+            layout = self.layouts.get(lid)
+            if layout is None:
+                self.bad_records += 1
+                return
+            buf = np.frombuffer(raw, dtype=np.float32) if raw is not None else None
+            self.sender.submit(HostWork(step, ts, buf, layout, None, meta, values))
+        elif kind == EVENT:
+            _, name, step, message, data = rec
+            self.sender.event(name, step, message, data)
+        elif kind == COUNTERS:
+            self.trainer_counters = rec[1]
+        elif kind == CONN:
+            self.connection_file = rec[1]
+        elif kind == STOP:
+            self.stop_request = (rec[1], rec[2]) if rec[1] else None
+
+    def counters_extra(self) -> dict[str, int]:
+        c = dict(self.trainer_counters)
+        c["dropped_queue"] = self.sender.counters["dropped_queue"] + int(c.pop("dropped_ring", 0))
+        if self.bad_records:
+            c["bad_records"] = self.bad_records
+        return c
+
+    def on_alert(self, alert: Any) -> None:
+        """pause_on acts in the trainer: the alert goes back through the ring."""
+        self.ring.write_back(pack([ALERT, alert.kind, alert.severity, alert.step, alert.message]))
+
+    # ------------------------------------------------------------------ the loop
+
+    def trainer_gone(self) -> str | None:
+        if os.getppid() != self.trainer_pid:
+            return "its process ended"
+        try:
+            ready, _, _ = select.select([sys.stdin.buffer.fileno()], [], [], 0)
+            if ready and not os.read(sys.stdin.buffer.fileno(), 4096):
+                return "its process ended"
+        except OSError:
+            return "its process ended"
+        return None
+
+    def run(self) -> int:
+        sender = self.sender
+        next_status = 0.0
+        room = max(1, sender.cfg.queue_size // 2)
+        while True:
+            gone = self.trainer_gone()
+            # backpressure: take from the ring only what the sender's queue has room for
+            free = room - len(sender._queue)
+            if free > 0:
+                for payload in self.ring.read(limit=free):
+                    try:
+                        self.dispatch(payload)
+                    except Exception:  # noqa: BLE001 - a record we cannot read is counted, never fatal
+                        self.bad_records += 1
+                if sender._queue:
+                    sender._wake.set()
+            now = time.monotonic()
+            if now >= next_status:
+                next_status = now + STATUS_S
+                self.ring.write_back(pack([STATUS, dict(sender.counters), sender.failed, sender.last_error]))
+            if self.stop_request is not False and not self.ring.pending():
+                sender.stop(final=self.stop_request or None, timeout=1.0)  # type: ignore[arg-type]
+                return 0
+            if gone is not None or self.terminated:
+                for payload in self.ring.read():  # what the trainer managed to hand over before it went
+                    try:
+                        self.dispatch(payload)
+                    except Exception:  # noqa: BLE001
+                        self.bad_records += 1
+                if self.terminated and gone is None:
+                    final = ("finished", "stopped (the sidecar was sent SIGTERM)")
+                else:
+                    final = ("crashed", f"the trainer (pid {self.trainer_pid}) ended without closing gradwatch "
+                                        "(killed, e.g. SIGKILL or out of memory, or os._exit)")
+                sender.stop(final=final, timeout=1.5)
+                if self.connection_file is not None:
+                    try:
+                        transport.update_status(self.connection_file, final[0] if gone is None else "crashed")
+                    except Exception:  # noqa: BLE001
+                        pass
+                return 0
+            time.sleep(POLL_S if not self.ring.pending() else POLL_S / 10)  # a backlog: come back sooner
+
+
+def _read_config() -> dict[str, Any]:
+    import msgpack
+
+    fd = sys.stdin.buffer.fileno()
+    head = _read_exact(fd, 4)
+    (n,) = struct.unpack("<I", head)
+    return msgpack.unpackb(_read_exact(fd, n), raw=False, strict_map_key=False)
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError("the trainer closed the pipe before sending the configuration")
+        data += chunk
+    return data
+
+
+def _answer(**kw: Any) -> None:
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    box: dict[str, Sidecar] = {}
+
+    def on_term(_sig: int, _frame: Any) -> None:
+        if "s" in box:
+            box["s"].terminated = True
+        else:
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    ctx = auth = None
+    try:
+        import zmq
+
+        from gradwatch.curve import CurveServer
+        from gradwatch.publisher.stream import open_stream
+
+        cfg = _read_config()
+        ring = Ring.attach(cfg["ring"])
+        ctx = zmq.Context()
+        auth = CurveServer(ctx, cfg["curve"]) if cfg.get("curve") else None
+        try:
+            sock, bound = open_stream(ctx, cfg["endpoint"], int(cfg["frame"]), auth)
+        except zmq.ZMQError as exc:
+            _answer(ok=False, bind=True, error=f"cannot bind {cfg['endpoint']}: {exc}")
+            ctx.destroy(linger=0)
+            return 1
+        schema = protocol.decode_body(cfg["schema"])
+        sc = SenderConfig(run=cfg["run"], history_steps=int(cfg["history"]), queue_size=int(cfg["queue_size"]),
+                          scaler_enabled=bool(cfg["scaler_enabled"]), name=cfg["name"])
+        diagnoser = _diagnoser(schema, cfg.get("diagnose"))
+        sc.diagnoser = diagnoser
+        sender = Sender(sc, protocol.Signer(cfg["key"]), sock,
+                        lambda seq, ts: protocol.pack_body(dataclasses.replace(schema, seq=seq, ts=ts)))
+        side = Sidecar(cfg, ring, sender)
+        box["s"] = side
+        sc.counters_extra = side.counters_extra
+        sc.on_alert = side.on_alert
+    except Exception as exc:  # noqa: BLE001 - one line for the trainer's warning, never a traceback
+        _answer(ok=False, error=f"{type(exc).__name__}: {exc}")
+        if ctx is not None:
+            ctx.destroy(linger=0)
+        return 1
+    _answer(ok=True, endpoint=bound, pid=os.getpid())
+    sender.start()
+    try:
+        return side.run()
+    finally:
+        if auth is not None:
+            auth.stop()
+        ctx.destroy(linger=0)
+        ring.close()
+
+
+def _diagnoser(schema: Any, diagnose: Any) -> Any:
+    if diagnose is None or diagnose is False:
+        return None
+    from gradwatch.diagnose import Diagnoser, Thresholds
+
+    th = Thresholds(**diagnose) if isinstance(diagnose, dict) else None
+    return Diagnoser(schema, th)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The sidecar process (issue 13): the ring, the decoded steps, and its life tied to the trainer's.
+
+Real processes throughout: `tests/_trainer.py` subprocesses with their real sidecars, SIGKILL from
+outside, DataLoader workers forked after watch(), a viewer attached while the trainer dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gradwatch
+from conftest import PY, ROOT, child_env
+from gradwatch.protocol import Event, Step
+from gradwatch.publisher import handoff
+from gradwatch.publisher.decode import StepDecoder
+from gradwatch.publisher.probes import Work
+from gradwatch.publisher.ring import Ring, RingError
+from gradwatch.publisher.sidecar import HostWork
+
+pytestmark = pytest.mark.timeout(120)
+TRAINER = str(ROOT / "tests" / "_trainer.py")
+
+
+# ---------------------------------------------------------------------- the ring
+
+
+def test_ring_keeps_order_across_the_wrap_and_refuses_what_does_not_fit(tmp_path: Path) -> None:
+    ring = Ring.create(tmp_path / "r", fwd_cap=1000, back_cap=100)
+    other = Ring.attach(tmp_path / "r")  # the sidecar's mapping of the same file
+    rng = np.random.default_rng(0)
+    sent: list[bytes] = []
+    got: list[bytes] = []
+    refused = 0
+    for _ in range(400):  # ~10 wraps of the 1,000-byte ring, records of 1..300 bytes
+        rec = rng.bytes(int(rng.integers(1, 300)))
+        if ring.write(rec):
+            sent.append(rec)
+        else:
+            refused += 1
+            got += other.read(limit=int(rng.integers(1, 4)))
+    got += other.read()
+    assert got == sent and refused > 0 and len(sent) > 100
+    assert not ring.write(b"x" * 1000)  # larger than the ring: refused, never a partial record
+    assert other.read() == []
+    assert other.write_back(b"alert") and ring.read_back() == [b"alert"] and ring.read_back() == []
+    (tmp_path / "junk").write_bytes(b"\0" * 4096)
+    with pytest.raises(RingError):
+        Ring.attach(tmp_path / "junk")
+
+
+def test_a_step_decodes_the_same_through_the_ring_as_in_a_thread() -> None:
+    """The sidecar decodes the bytes the trainer packed; the Step must equal the one the in-process
+    sender builds from the torch Work itself, for a buffer, host values and a meta with ints as keys."""
+    rng = np.random.default_rng(3)
+    for seed in range(3):
+        n = int(rng.integers(2, 40))
+        buf = torch.from_numpy(rng.standard_normal(3 * n + 2).astype(np.float32))
+        layout = {"gn": (0, n), "wn": (n, 2 * n), "ur": (2 * n, 3 * n), "loss": (3 * n, 3 * n + 1),
+                  "clip": (3 * n + 1, 3 * n + 2)}
+        meta = {"opt": [{"lr": 0.1 * (seed + 1), "momentum": 0.9}], "nonfinite": {1: 3, n - 1: 7},
+                "nograd": (0,), "ur_step": seed, "clip_step": seed, "user": {"tokens": 12.0},
+                "backward_order": list(range(n))[::-1], "np": np.float32(2.5)}
+        values = {"data:inputs": np.array([16, 0, -1.0, 2.0, 0.1, 0.9, 0, 0.5], np.float32).tobytes()}
+        work = Work(step=seed, ts=123.0 + seed, buf=buf, layout=layout, meta=meta, values=values)
+        direct, ev1 = StepDecoder("r", False).build(work, lambda: 1)
+        rec = handoff.unpack(handoff.encode_work(work, 1, layout))
+        _, step, ts, raw, _lid, lay, m2, v2 = rec
+        host = HostWork(step, ts, np.frombuffer(raw, np.float32), {k: (a, b) for k, a, b in lay}, None, m2, v2)
+        via_ring, ev2 = StepDecoder("r", False).build(host, lambda: 1)
+        assert via_ring == direct and ev1 == ev2
+        assert via_ring.nonfinite == {1: 3, n - 1: 7} and via_ring.loss == pytest.approx(float(buf[3 * n]))
+
+
+# ---------------------------------------------------------------------- life and death
+
+
+def _sidecar_of(pid: int) -> int:
+    """The trainer's one child that runs gradwatch.publisher.sidecar (read from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"gradwatch.publisher.sidecar" in cmd:
+                return int(entry.name)
+    raise AssertionError(f"no sidecar under pid {pid}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited (only its parent's reaping is left)
+
+
+def _in_session(sid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != sid:
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def _start(runtime: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([PY, TRAINER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env(runtime), start_new_session=True)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigkill_of_the_trainer_leaves_no_process_and_tells_the_viewer(runtime: Path, workers: int) -> None:
+    """SIGKILL runs no code of the trainer: the sidecar sees its pipe close, publishes ``crashed``, marks
+    the connection file and exits; with DataLoader workers forked after watch() too (they hold no end of
+    the pipe). Nothing of the run's session is left."""
+    args = ["100000", "--pace", "0.005"] + (["--loader-workers", str(workers)] if workers else [])
+    proc = _start(runtime, *args)
+    run = proc.stdout.readline().split()[1]  # type: ignore[union-attr]
+    side = _sidecar_of(proc.pid)
+    with gradwatch.connect(run, timeout=10) as client:
+        steps = 0
+        for msg in client.records(timeout=10):
+            steps += isinstance(msg, Step)
+            if steps >= 20:
+                break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        t0 = time.monotonic()
+        final = None
+        for msg in client.records(timeout=10):
+            if isinstance(msg, Event) and msg.event in ("crashed", "finished"):
+                final = msg
+                break
+    assert final is not None and final.event == "crashed", final
+    assert f"pid {proc.pid}" in final.message and "SIGKILL" in final.message
+    while _alive(side) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert not _alive(side), "the sidecar outlived its trainer"
+    assert time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 15  # DataLoader workers notice their parent is gone on their own
+    while _in_session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_session(proc.pid) == []
+    (info,) = gradwatch.runs()
+    assert info.state == "crashed"
+    proc.stdout.close()  # type: ignore[union-attr]
+    proc.stderr.close()  # type: ignore[union-attr]
+
+
+def test_a_killed_sidecar_costs_the_telemetry_with_one_warning_never_the_training(runtime: Path) -> None:
+    proc = _start(runtime, "400", "--fault", "sidecar", "--pace", "0.002")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "LOOP_END" in out, err
+    warnings = [line for line in err.splitlines() if "GradwatchWarning" in line or "gradwatch:" in line
+                and "sidecar" in line]
+    assert len(warnings) == 1 and "exited with code -9" in err, err
+    assert "Traceback" not in err
+
+
+def test_the_run_secrets_never_reach_argv_or_the_environment(runtime: Path) -> None:
+    proc = _start(runtime, "100000", "--pace", "0.01", "--endpoint", "tcp://127.0.0.1:0")
+    try:
+        run = proc.stdout.readline().split()[1]  # type: ignore[union-attr]
+        side = _sidecar_of(proc.pid)
+        info = gradwatch.transport.find_run(run)
+        seen = Path(f"/proc/{side}/cmdline").read_bytes() + Path(f"/proc/{side}/environ").read_bytes()
+        assert Path(f"/proc/{side}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"gradwatch.publisher.sidecar"]
+        assert info.curve is not None
+        for secret in (info.key, info.key.hex().encode(), info.curve["client_secret"].encode()):
+            assert secret not in seen
+        assert not list(Path(runtime).rglob("*.ring"))  # the ring file is unlinked once both have mapped it
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_a_sidecar_that_cannot_start_leaves_the_sender_in_a_thread(runtime: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   recwarn: pytest.WarningsRecorder) -> None:
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    gw = gradwatch.watch(model, opt, announce=False)
+    try:
+        assert gw.enabled and type(gw.sender).__name__ == "Sender"
+        assert any("sidecar did not start" in str(w.message) for w in recwarn)
+        with gradwatch.connect(gw.run_id, timeout=10) as client:
+            for _ in range(5):
+                loss = model(torch.randn(4, 3)).pow(2).mean()
+                loss.backward()
+                gw.step(loss)
+                opt.step()
+                opt.zero_grad()
+            steps: list[int] = []
+            for m in client.records(timeout=3):
+                if isinstance(m, Step):
+                    steps.append(m.step)
+                if len(steps) == 5:
+                    break
+        assert steps == [0, 1, 2, 3, 4]
+    finally:
+        gw.close()
