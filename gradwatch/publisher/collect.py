@@ -17,7 +17,7 @@ import torch
 
 from gradwatch.publisher.act_plan import ActivationPlan
 from gradwatch.publisher.data_stats import data_stats
-from gradwatch.publisher.probes import GradProbe, Parts, hyper_of, scalar_part
+from gradwatch.publisher.probes import GradProbe, Parts, RateCache, hyper_of, scalar_part
 from gradwatch.publisher.trouble import AUTO_ARM_STEPS, TroubleCheck, is_detail
 
 
@@ -49,6 +49,7 @@ class Collector:
         self.bw_hooks: list[Any] = []
         self.clip_due: int | None = None  # explicit mode: measure the norm before optimizer.step() of this step
         self._clip: tuple[int, torch.Tensor] | None = None
+        self._rates = RateCache()  # the learning rates of non-detail steps, rebuilt only when one changed
 
     # ------------------------------------------------------------------ backward order (first step only)
 
@@ -113,7 +114,8 @@ class Collector:
                 meta["scaled"] = self._grads_scaled()
         if self.optimizer is not None:
             # every step: the learning rates; on detail steps: every hyper-parameter (the sender fills in)
-            hyper, tensors = hyper_of(self.optimizer.param_groups, full=detail)
+            groups = self.optimizer.param_groups
+            hyper, tensors = hyper_of(groups, full=True) if detail else self._rates.rates(groups)
             meta["opt"] = hyper
             if tensors:
                 meta["opt_tensors"] = [(gi, k) for gi, k, _ in tensors]

@@ -5,8 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
+#: CPU batches up to this many values take numpy's cheap pass: four torch reductions and four ``.item()``
+#: cost ~18 us of dispatch for a 16x5 batch, numpy ~8 us (bench/README.md section 4.1); larger batches
+#: are bandwidth-bound and torch's one-pass ``aminmax`` wins.
+NUMPY_MAX = 1 << 14
 INF = float("inf")
 DATA_FIELDS = ("numel", "nonfinite", "min", "max", "mean", "std")
 
@@ -18,8 +23,9 @@ def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tenso
     normalisation. ``spread`` (only when asked: on trouble steps, CPU) is max |x - x[0]|, 0 when every
     sample of the batch is the same; NaN when not measured.
 
-    On CPU the cheap pass (aminmax, sum, dot) is checked on the host and the masked pass runs only if
-    something is non-finite; on CUDA the masked pass always runs so no value is read on the host.
+    On CPU the cheap pass (aminmax, sum, dot; numpy for small batches) is checked on the host and the
+    masked pass runs only if something is non-finite; on CUDA the masked pass always runs so no value is
+    read on the host.
     """
     if not isinstance(t, torch.Tensor) or t.numel() == 0:
         return None
@@ -33,7 +39,11 @@ def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tenso
     sp = math.nan
     if spread and exact_on_host and x.dim() >= 1 and x.shape[0] > 1:
         sp = float((x - x[:1]).abs().amax())  # CPU, trouble steps only
-    if exact_on_host:
+    if exact_on_host and numel <= NUMPY_MAX and x.device.type == "cpu":
+        st = _numpy_stats(x, numel, integer, sp)
+        if st is not None:
+            return st
+    elif exact_on_host:
         lo, hi = torch.aminmax(x)
         lo_f, hi_f = lo.item(), hi.item()  # CPU: no device queue to stall
         if math.isfinite(lo_f) and math.isfinite(hi_f):
@@ -59,3 +69,20 @@ def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tenso
     # torch.full, not torch.tensor: a pageable host->device copy would synchronise the stream
     return torch.stack((torch.full((), numel, device=x.device), nonfinite, lo, hi, mean, var.sqrt(),
                         torch.full((), integer, device=x.device), torch.full((), math.nan, device=x.device)))
+
+
+def _numpy_stats(x: torch.Tensor, numel: float, integer: float, sp: float) -> tuple[float, ...] | None:
+    """The cheap pass in numpy, float64 sums around the midpoint; None when a value is
+    non-finite (NaN propagates through min/max; the masked pass then counts) or numpy cannot view ``x``."""
+    try:
+        a = x.resolve_neg().numpy().reshape(-1)
+    except Exception:  # noqa: BLE001 - a tensor numpy cannot view: torch's pass reads it
+        return None
+    lo, hi = float(a.min()), float(a.max())
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    mid = (lo + hi) / 2  # the sums around the midpoint: no cancellation when |mean| >> std
+    d = a.astype(np.float64) - mid
+    dm = float(d.sum()) / numel
+    var = 0.0 if lo == hi else max(float(np.dot(d, d)) / numel - dm * dm, 0.0)
+    return (numel, 0.0, lo, hi, mid + dm, math.sqrt(var), integer, sp)

@@ -14,6 +14,9 @@ Cost rules (docs/design.md, Torch 4-6 and "The trainer side"):
 * "Detail" steps (every ``detail_every`` published steps) add gradient max-abs, weight norms and
   a weight snapshot whose difference at the next step boundary gives ``||dw|| / ||w||``. They cost
   three to four more passes over the parameters, so they are sampled by default.
+* Small CPU models take the lean path of :mod:`.flat`: one copy of every gradient (and, on detail
+  steps, every weight) into one buffer, then numpy segment reductions, so neither a normal step nor a
+  detail step pays torch's per-tensor dispatch.
 * Activation statistics (:mod:`.act_probe`) use forward hooks attached only for the steps that need
   them; batch statistics are in :mod:`.data_stats`.
 
@@ -23,15 +26,17 @@ Only this module and ``watcher.py`` touch torch; both import it lazily through `
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
 from gradwatch.publisher.act_probe import ActivationProbe, module_tree  # noqa: F401 - re-exported
 from gradwatch.publisher.data_stats import DATA_FIELDS, INF, data_stats  # noqa: F401 - re-exported
+from gradwatch.publisher.flat import FlatBuffer, exact_nonfinite, flat_eligible, total_norm, update_ratio
+from gradwatch.publisher.hyper import HYPER_KEYS, RateCache, hyper_of, scalar_part  # noqa: F401 - re-exported
+from gradwatch.publisher.parts import Parts, _EventPool
 
 
 @dataclass(slots=True)
@@ -47,51 +52,6 @@ class Work:
     values: dict[str, bytes] = field(default_factory=dict)  # float32 pieces already on the host
 
 
-class Parts:
-    """One step's values on their way to the sender.
-
-    On the CUDA path everything is a float32 piece of one device buffer (``tensors``/``layout``)
-    that the sender reads after an event. On CPU there is no device queue to stall, so each piece is
-    turned into bytes at once (``values``) and no buffer is built at all.
-    """
-
-    __slots__ = ("host", "tensors", "layout", "pos", "values")
-
-    def __init__(self, host: bool) -> None:
-        self.host = host
-        self.tensors: list[torch.Tensor] = []
-        self.layout: dict[str, tuple[int, int]] = {}
-        self.pos = 0
-        self.values: dict[str, bytes] = {}
-
-    def add(self, name: str, t: torch.Tensor | tuple[float, ...]) -> None:
-        if isinstance(t, tuple):  # host floats (CPU fast paths)
-            self.values[name] = struct.pack(f"<{len(t)}f", *t)
-            return
-        t = t.detach().reshape(-1)
-        if t.dtype != torch.float32:
-            t = t.float()
-        if self.host and t.device.type == "cpu":
-            self.values[name] = t.numpy().tobytes()  # a copy: the tensor may be a reused buffer
-            return
-        self.tensors.append(t)
-        self.layout[name] = (self.pos, self.pos + t.numel())
-        self.pos += t.numel()
-
-
-class _EventPool:
-    """A ring of reusable CUDA events: none is created or destroyed per step (docs/design.md, "The trainer side")."""
-
-    def __init__(self, size: int) -> None:
-        self._events = [torch.cuda.Event() for _ in range(size)]
-        self._i = 0
-
-    def next(self) -> Any:
-        ev = self._events[self._i]
-        self._i = (self._i + 1) % len(self._events)
-        return ev
-
-
 class GradProbe:
     """Per-parameter gradient, weight and update statistics for a fixed list of parameters."""
 
@@ -103,7 +63,7 @@ class GradProbe:
         self._snap_active = False
         self._snap_step = 0
         self._snap_wn: torch.Tensor | None = None
-        self._pending_ur: tuple[int, torch.Tensor] | None = None
+        self._pending_ur: tuple[int, torch.Tensor | np.ndarray] | None = None
         self._zeros: dict[torch.device, torch.Tensor] = {}
         first = params[0] if params else None
         self.device = first.device if first is not None else torch.device("cpu")
@@ -117,6 +77,14 @@ class GradProbe:
         self._uniform = len(kinds) == 1
         self._f32 = self._uniform and next(iter(kinds))[1] == torch.float32
         self._out = torch.empty(self.n, dtype=torch.float32) if not self.cuda else None
+        #: The lean CPU path (:mod:`.flat`): gradients / weights (the snapshot) in one buffer each, made
+        #: at first use; ``_fresh``: the gradients of this boundary are in ``_fg``.
+        self._flat = not self.cuda and flat_eligible(params)
+        self._fg: FlatBuffer | None = None
+        self._fw: FlatBuffer | None = None
+        self._fresh = False
+        self._snap_flat = False  # the snapshot is in _fw (its norms in _snap_wn_np)
+        self._snap_wn_np: np.ndarray | None = None
 
     def _zero(self, device: torch.device) -> torch.Tensor:
         z = self._zeros.get(device)
@@ -168,13 +136,23 @@ class GradProbe:
         The weights now are the weights after that step's ``optimizer.step()``, so
         ``||w_old - w_now|| / ||w_old||`` is its update ratio (0 when GradScaler skipped the step).
         """
-        if not (self._snap_active and self._snap is not None and self._snap_wn is not None):
+        if not self._snap_active:
+            return
+        if self._snap_flat:
+            self._settle_flat()
+            return
+        if self._snap is None or self._snap_wn is None:
+            self._snap_active = False
             return
         with torch.no_grad():
             live = [p.detach() for p in self.params]
             torch._foreach_sub_(self._snap, live)  # snap := w_old - w_new
             dw = self._norm_vec(self._snap, 2.0, True)
             wn = self._snap_wn
+            if not self.branchless:  # CPU: 24 numbers are cheaper in numpy than in six more torch ops
+                self._pending_ur = (self._snap_step, update_ratio(dw.numpy(), wn.numpy()))
+                self._snap_active = False
+                return
             # a weight that was exactly 0 (zero-initialised biases) was wholly replaced: ratio 1, not inf
             ratio = torch.where(wn > 0, dw / wn.clamp_min(torch.finfo(torch.float32).tiny), (dw > 0).float())
             # NaN/Inf weights before or after the step: the ratio is unknown, say NaN (it read 0: `NaN > 0` is
@@ -182,6 +160,30 @@ class GradProbe:
             ratio = torch.where(torch.isfinite(wn) & torch.isfinite(dw), ratio, torch.full_like(ratio, math.nan))
             self._pending_ur = (self._snap_step, ratio)
         self._snap_active = False
+
+    def _settle_flat(self) -> None:
+        """The lean path's update ratio: the snapshot buffer minus the live weights, one numpy reduction."""
+        fw, wn = self._fw, self._snap_wn_np
+        self._snap_active = self._snap_flat = False
+        if fw is None or wn is None:
+            return
+        with torch.no_grad():
+            torch._foreach_sub_(fw.views, self.params)  # snap := w_old - w_new, in float32
+        self._pending_ur = (self._snap_step, update_ratio(fw.norms(), wn))
+
+    def _flat_grads(self, grads: list[Any]) -> FlatBuffer | None:
+        """The gradients copied into the lean path's buffer, or None (not eligible, or the copy failed:
+        then this probe keeps to the per-tensor path for good)."""
+        if not self._flat:
+            return None
+        try:
+            if self._fg is None:
+                self._fg = FlatBuffer(self.params)
+            self._fg.load(grads)
+            return self._fg
+        except Exception:  # noqa: BLE001 - e.g. sparse gradients: the per-tensor path handles them
+            self._flat, self._fg = False, None
+            return None
 
     def grad_norms(self, parts: Parts, meta: dict[str, Any]) -> float | None:
         """Every published step: the per-parameter gradient L2 norms. On CUDA also the max-abs of every
@@ -194,6 +196,15 @@ class GradProbe:
         if nograd:
             meta["nograd"] = nograd
         host = parts.host
+        self._fresh = False
+        fg = self._flat_grads(grads) if host and complete else None
+        if fg is not None:
+            self._fresh = True
+            norms = fg.norms()
+            parts.put("gn", norms)
+            total = total_norm(norms)
+            meta["nonfinite"] = exact_nonfinite(fg, norms) if not math.isfinite(total) else {}
+            return total
         gn = self._norm_vec(grads, 2.0, complete, self._out if host else None)
         parts.add("gn", gn)
         if not host:
@@ -218,7 +229,11 @@ class GradProbe:
         weights (``wnf``) and the weight snapshot whose difference at the next boundary is the update."""
         if not self.n:
             return
-        if parts.host:
+        if parts.host and self._fresh and self._fg is not None:
+            parts.put("gmax", self._fg.maxabs())
+            if self._flat_weights(parts, meta, step):
+                return
+        elif parts.host:
             parts.add("gmax", self._maxabs_vec([p.grad for p in self.params]))
         with torch.no_grad():
             weights = [p.detach() for p in self.params]
@@ -236,11 +251,33 @@ class GradProbe:
                     torch._foreach_copy_(self._snap, weights)
                 self._snap_wn, self._snap_step, self._snap_active = wn, step, True
 
+    def _flat_weights(self, parts: Parts, meta: dict[str, Any], step: int) -> bool:
+        """The lean path's weight norms, exact non-finite weights and snapshot: one copy into the snapshot
+        buffer, one reduction. False if the copy failed (the per-tensor path then does it)."""
+        try:
+            if self._fw is None:
+                self._fw = FlatBuffer(self.params)
+            fw = self._fw
+            with torch.no_grad():
+                fw.load(self.params)
+        except Exception:  # noqa: BLE001
+            self._flat, self._fw = False, None
+            return False
+        wn = fw.norms()
+        parts.put("wn", wn)
+        meta["wnf"] = exact_nonfinite(fw, wn)
+        if self.update_ratio:
+            self._snap_wn_np, self._snap_step, self._snap_active, self._snap_flat = wn, step, True, True
+        return True
+
     def updates(self, parts: Parts, meta: dict[str, Any]) -> None:
         """The update ratios measured by :meth:`settle` at this boundary, if any."""
         if self._pending_ur is not None:
             ur_step, ur = self._pending_ur
-            parts.add("ur", ur)
+            if isinstance(ur, np.ndarray):
+                parts.put("ur", ur)
+            else:
+                parts.add("ur", ur)
             meta["ur_step"] = ur_step
             self._pending_ur = None
 
@@ -270,39 +307,3 @@ class GradProbe:
         ev = self._events.next()
         ev.record()
         return Work(step, ts, host, parts.layout, ev, meta, parts.values)
-
-
-def scalar_part(value: Any) -> torch.Tensor | None:
-    """A loss given as a tensor (it stays where it is until the sender reads it), else None."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        return value if value.numel() == 1 else value.float().mean()
-    return None
-
-
-HYPER_KEYS = ("lr", "momentum", "weight_decay", "eps", "dampening")
-
-
-def hyper_of(groups: Iterable[dict[str, Any]], full: bool = True) -> tuple[list[dict[str, float]], list[tuple[int, str, torch.Tensor]]]:
-    """Numeric hyper-parameters per group (only ``lr`` unless ``full``), plus tensor-valued ones that
-    must travel through the device buffer (a capturable/fused optimizer's LR lives on the GPU)."""
-    out: list[dict[str, float]] = []
-    tensors: list[tuple[int, str, torch.Tensor]] = []
-    keys = HYPER_KEYS if full else ("lr",)
-    for gi, g in enumerate(groups):
-        h: dict[str, float] = {}
-        for key in keys:
-            v = g.get(key)
-            if isinstance(v, torch.Tensor):
-                tensors.append((gi, key, v))
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                h[key] = float(v)
-        betas = g.get("betas") if full else None
-        if isinstance(betas, (tuple, list)) and len(betas) == 2:
-            for k, b in zip(("beta1", "beta2"), betas):
-                if isinstance(b, torch.Tensor):
-                    tensors.append((gi, k, b))
-                elif isinstance(b, (int, float)):
-                    h[k] = float(b)
-        out.append(h)
-    return out, tensors

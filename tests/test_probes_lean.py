@@ -1,0 +1,285 @@
+"""The lean per-step path (issue 13): small CPU models measured through one flat buffer and numpy
+(gradwatch/publisher/flat.py), small batches through numpy, learning rates cached. Each gives the same
+decoded values as the per-tensor path, and values that are exact against a float64 reference."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gradwatch
+from gradwatch.protocol import Step
+from gradwatch.publisher.data_stats import data_stats
+from gradwatch.publisher.flat import FLAT_MAX, FlatBuffer, flat_eligible, update_ratio
+from gradwatch.publisher.hyper import RateCache
+
+torch.set_num_threads(1)
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 1))
+
+
+def _convnet(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(8 * 6 * 6, 10))
+
+
+MODELS = {"mlp": (_mlp, (16, 5), (16, 1)), "conv": (_convnet, (4, 3, 8, 8), (4, 10))}
+
+
+def _batch(kind: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    _, xs, ys = MODELS[kind]
+    return torch.randn(*xs, generator=g), torch.randn(*ys, generator=g)
+
+
+def _f64_reference(params: list[torch.nn.Parameter]) -> tuple[list[float], list[float], list[float]]:
+    grads = [p.grad.double() for p in params]
+    return ([float(g.norm()) for g in grads], [float(g.abs().max()) for g in grads],
+            [float(p.detach().double().norm()) for p in params])
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_flat_buffer_is_exact_against_float64(kind: str, seed: int) -> None:
+    model = MODELS[kind][0](seed)
+    g = torch.Generator().manual_seed(seed)
+    x, y = _batch(kind, g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    params = list(model.parameters())
+    assert flat_eligible(params)
+    fb = FlatBuffer(params)
+    fb.load([p.grad for p in params])
+    norms, maxabs, wnorms = _f64_reference(params)
+    assert fb.norms().tolist() == pytest.approx(norms, rel=1e-6)
+    assert fb.maxabs().tolist() == [float(np.float32(v)) for v in maxabs]  # a max is exact, not approximate
+    assert fb.nonfinite(range(len(params))) == {}
+    fw = FlatBuffer(params)
+    fw.load(params)
+    assert fw.norms().tolist() == pytest.approx(wnorms, rel=1e-6)
+
+
+def test_flat_buffer_counts_and_flags_nonfinite_exactly() -> None:
+    model = _mlp(0)
+    params = list(model.parameters())
+    grads = [torch.ones_like(p) for p in params]
+    grads[2][0, 0], grads[2][1, 1], grads[2][2, 2] = math.nan, math.inf, -math.inf
+    grads[4][0, 0] = -math.inf
+    grads[3].fill_(1e30)  # an L2 overflow of finite values: not a non-finite tensor
+    fb = FlatBuffer(params)
+    fb.load(grads)
+    norms = fb.norms()
+    assert math.isnan(norms[2]) and math.isinf(norms[4]) and math.isinf(norms[3]) and math.isfinite(norms[0])
+    mx = fb.maxabs()
+    assert math.isnan(mx[2]) and mx[4] == math.inf and mx[3] == np.float32(1e30) and mx[0] == 1.0
+    assert fb.nonfinite(np.flatnonzero(~np.isfinite(norms))) == {2: 3, 4: 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flat_buffer_reads_half_precision_exactly(dtype: torch.dtype) -> None:
+    model = _mlp(3).to(dtype)
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(p.shape, generator=g).to(dtype) for p in params]
+    grads[1][0] = math.inf
+    fb = FlatBuffer(params)
+    fb.load(grads)
+    want = [float(t.float().abs().max()) for t in grads]
+    assert fb.maxabs().tolist() == want
+    ok = [i for i in range(len(grads)) if i != 1]
+    assert [fb.norms()[i] for i in ok] == pytest.approx([float(grads[i].double().norm()) for i in ok], rel=1e-6)
+
+
+def test_flat_path_is_chosen_only_where_it_is_cheap_and_exact() -> None:
+    assert flat_eligible(list(_mlp(0).parameters()))
+    assert not flat_eligible(list(_mlp(0).double().parameters()))  # float64 does not fit float32 exactly
+    assert not flat_eligible([torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(3))])
+    assert not flat_eligible([torch.nn.Parameter(torch.zeros(FLAT_MAX + 1))])
+    assert not flat_eligible([])
+
+
+def test_update_ratio_on_the_host_matches_the_device_formula() -> None:
+    nan = math.nan
+    dw = np.array([0.5, 0.0, 0.3, 1.0, nan, 2.0], np.float32)
+    wn = np.array([2.0, 0.0, 0.0, nan, 1.0, math.inf], np.float32)
+    got = update_ratio(dw, wn)
+    assert got.dtype == np.float32
+    assert got[:3].tolist() == [0.25, 0.0, 1.0] and all(math.isnan(v) for v in got[3:])
+
+
+def _decoded(kind: str, seed: int, lean: bool, steps: int, poison: bool) -> dict[int, Step]:
+    """Train ``steps`` steps with the lean path on or off; every Step as the viewer decodes it."""
+    model = MODELS[kind][0](seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=2)
+    if not lean:
+        gw._probe._flat = False  # noqa: SLF001 - the per-tensor path, as a model too large for the lean one
+    assert gw._probe._flat is lean  # noqa: SLF001
+    client = gradwatch.connect(gw.run_id)
+    g = torch.Generator().manual_seed(seed)
+    params = list(model.parameters())
+    for k in range(steps):
+        x, y = _batch(kind, g)
+        if poison and k == 7:  # a weight poisoned between two steps: a NaN loss, the exact scan counts it
+            with torch.no_grad():
+                params[2].view(-1)[3] = math.nan
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if poison and k == 5:
+            params[0].grad[0].fill_(math.nan)
+            params[1].grad[0] = math.inf
+        gw.step(loss, inputs=x, targets=y)
+        if not (poison and k == 5):
+            opt.step()
+        opt.zero_grad()
+    out: dict[int, Step] = {}
+    for msg in client.records(timeout=10):
+        if isinstance(msg, Step):
+            out[msg.step] = msg
+            if len(out) == steps:
+                break
+    gw.close()
+    client.close()
+    return out
+
+
+def _arr(b: object) -> list[float] | None:
+    return None if b is None else list(b)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("poison", [False, True])
+def test_lean_path_decodes_to_the_same_steps_as_the_per_tensor_path(runtime: Path, kind: str, poison: bool) -> None:
+    steps = 10
+    lean, ref = _decoded(kind, 0, True, steps, poison), _decoded(kind, 0, False, steps, poison)
+    assert sorted(lean) == sorted(ref) == list(range(steps))
+    for k in range(steps):
+        a, b = lean[k], ref[k]
+        for field in ("grad_norm", "grad_max", "weight_norm", "update_ratio"):
+            va, vb = _arr(getattr(a, field)), _arr(getattr(b, field))
+            assert (va is None) == (vb is None), (k, field)
+            if va is not None:
+                assert va == pytest.approx(vb, rel=1e-5, abs=1e-12, nan_ok=True), (k, field)
+        assert a.total == pytest.approx(b.total, rel=1e-5, nan_ok=True)
+        assert (a.nonfinite, a.weight_nonfinite, a.nograd, a.update_step) == \
+               (b.nonfinite, b.weight_nonfinite, b.nograd, b.update_step), k
+        assert a.opt == b.opt and a.loss == pytest.approx(b.loss, nan_ok=True)
+        for name in ("inputs", "targets"):
+            da, db = a.data[name], b.data[name]
+            assert (da.numel, da.nonfinite, da.min, da.max) == (db.numel, db.nonfinite, db.min, db.max)
+            assert da.mean == pytest.approx(db.mean, rel=1e-5, abs=1e-7)
+            assert da.std == pytest.approx(db.std, rel=1e-4)
+    if poison:
+        assert lean[5].nonfinite == {0: 5 if kind == "mlp" else 27, 1: 1}  # one row of the first weight, one bias
+        assert lean[7].weight_nonfinite == {2: 1} and math.isnan(lean[7].loss)
+
+
+def test_snapshot_buffer_is_reused_and_the_ratio_stays_exact(runtime: Path) -> None:
+    """Detail steps reuse one snapshot buffer; each update ratio equals ||w_old - w_new|| / ||w_old|| in float64."""
+    model = _mlp(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=1)
+    client = gradwatch.connect(gw.run_id)
+    g = torch.Generator().manual_seed(1)
+    before, after = [], []
+    for _ in range(6):
+        x, y = _batch("mlp", g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        gw.step()
+        before.append([p.detach().double().clone() for p in model.parameters()])
+        opt.step()
+        after.append([p.detach().double().clone() for p in model.parameters()])
+        opt.zero_grad()
+        if len(before) == 2:
+            buf = gw._probe._fw.buf  # noqa: SLF001
+    assert gw._probe._fw.buf is buf  # noqa: SLF001 - allocated once
+    steps = {}
+    for msg in client.records(timeout=10):
+        if isinstance(msg, Step):
+            steps[msg.step] = msg
+            if len(steps) == 6:
+                break
+    gw.close()
+    client.close()
+    for k in range(1, 6):
+        want = [float((a - b).norm() / a.norm()) for a, b in zip(before[k - 1], after[k - 1])]
+        assert steps[k].update_step == k - 1
+        assert list(steps[k].update_ratio) == pytest.approx(want, rel=1e-4)
+
+
+def test_a_copy_the_lean_path_cannot_make_falls_back_for_good(runtime: Path) -> None:
+    """Sparse gradients (nn.Embedding(sparse=True)) cannot be copied into the flat buffer: the probe drops
+    the lean path once, for good, and gw.step() never raises into the loop."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
+    assert gw._probe._flat  # noqa: SLF001 - eligible by dtype and size
+    for _ in range(3):
+        model(torch.tensor([1, 2, 2])).sum().backward()
+        gw.step()
+        opt.step()
+        opt.zero_grad()
+    assert not gw._probe._flat and gw._probe._fg is None  # noqa: SLF001
+    gw.close()
+
+
+def test_rate_cache_rebuilds_only_when_a_rate_changes() -> None:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.2})
+    rc = RateCache()
+    a, ta = rc.rates(opt.param_groups)
+    b, _ = rc.rates(opt.param_groups)
+    assert a == [{"lr": 0.1}, {"lr": 0.2}] and b is a and ta == []
+    opt.param_groups[1]["lr"] = 0.05
+    c, _ = rc.rates(opt.param_groups)
+    assert c == [{"lr": 0.1}, {"lr": 0.05}] and c is not a
+    lr = torch.tensor(0.3)
+    opt.param_groups[0]["lr"] = lr
+    d, td = rc.rates(opt.param_groups)
+    e, te = rc.rates(opt.param_groups)
+    assert td == te == [(0, "lr", lr)]  # a tensor rate is read every step (its value changes in place)
+    assert d == e == [{}, {"lr": 0.05}]
+
+
+def _stats_reference(t: torch.Tensor) -> tuple[float, ...]:
+    x = t.detach().double().reshape(-1)
+    return (float(x.numel()), 0.0, float(x.min()), float(x.max()), float(x.mean()), float(x.std(unbiased=False)))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_small_batch_statistics_are_exact(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    cases = [
+        torch.randn(16, 5, generator=g),
+        torch.randn(8, 6, generator=g).t(),  # not contiguous
+        torch.randint(0, 256, (4, 3, 8, 8), generator=g).float(),  # raw pixels: |mean| >> std would lose float32
+        torch.randn(4, 3, generator=g) * 1e-3 + 1e3,
+        torch.randint(0, 50, (16, 4), generator=g),  # token ids
+    ]
+    for t in cases:
+        st = data_stats(t, exact_on_host=True)
+        assert isinstance(st, tuple)
+        ref = _stats_reference(t)
+        assert st[:4] == pytest.approx(ref[:4], rel=1e-6)
+        assert st[4] == pytest.approx(ref[4], rel=1e-6)
+        assert st[5] == pytest.approx(ref[5], rel=1e-5)
+        assert st[6] == (0.0 if t.is_floating_point() else 1.0) and math.isnan(st[7])
+    const = data_stats(torch.full((4, 4), 0.1), exact_on_host=True)
+    assert isinstance(const, tuple) and const[5] == 0.0
+
+
+def test_small_batch_with_nan_still_counts_exactly() -> None:
+    x = torch.randn(16, 5, generator=torch.Generator().manual_seed(0))
+    x[0, 0], x[3, 2] = math.nan, -math.inf
+    st = data_stats(x, exact_on_host=True)
+    assert isinstance(st, tuple)
+    fin = x[torch.isfinite(x)].double()
+    assert st[1] == 2.0 and st[2] == pytest.approx(float(fin.min())) and st[4] == pytest.approx(float(fin.mean()), rel=1e-5)
