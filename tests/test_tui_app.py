@@ -421,3 +421,26 @@ def test_snapshot_worst_case_with_log_scale(size: tuple[int, int]) -> None:
     _compare(svg, path, f"the worst case at {size}")
     text = _svg_text(svg)
     assert " step" in text and "\u2026" in text and "(log)" in text or size == (80, 24), (size, text[-600:])
+
+
+def test_scrolling_the_table_fills_the_rows_it_brings_on_screen() -> None:
+    """The table draws only rows on screen: rows scrolled into view after the run ended still get their
+    heat strips (the table asks the app for a frame), and enter on them plots that layer."""
+    async def go() -> None:
+        app = make_app(synthetic(layers=40))
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, finished(app))
+            table = app.query_one("#table", HeatTable)
+            table.focus()
+            await pilot.press("end")
+            await pilot.pause(0.4)
+            last = table.row_count - 1
+            assert table.cursor_row == last and table.visible_window()[0] > 0
+            assert str(table.get_cell_at((last, 2))).strip()  # a heat strip, not a blank cell
+            await pilot.press("enter")
+            await pilot.pause(0.3)
+            assert app.selected_layer == table.layer_at(last) is not None
+            await pilot.press("home")
+            await pilot.pause(0.2)
+            assert table.cursor_row == 0 and table.visible_window()[0] == 0
+    asyncio.run(go())

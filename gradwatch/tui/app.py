@@ -40,9 +40,11 @@ from gradwatch.tui.widgets.status import StatusBar, status_text
 SORTS = ("anomaly", "grad", "nonfinite", "name")
 HEAT_WIDTH = 24
 #: The UI thread may spend about this share of a core drawing; costlier frames space out the next ones.
-FRAME_BUDGET = 0.35
+#: Frames are cheap now (~7 ms at 1,000 layers: bench README 5.4), so the budget is low: a slower machine
+#: or a bigger model gets fewer frames, not more CPU (issue 13: the viewer <= 0.25 core at 1,000 steps/s).
+FRAME_BUDGET = 0.12
 #: ...and the UI thread as a whole (frames plus Textual's rendering) about this share of a core.
-UI_CPU_BUDGET = 0.4
+UI_CPU_BUDGET = 0.18
 #: Plots are redrawn at most this often (~1 ms a plot since plotext was replaced; the compositor costs more).
 PLOT_INTERVAL_S = 0.5
 #: Below this many (columns, rows) the plots give way to one sparkline each (plotext lost its titles).

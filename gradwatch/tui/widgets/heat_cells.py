@@ -55,19 +55,32 @@ _DIM = Style.parse("dim")
 _TOP = len(BLOCKS) - 1
 
 
+#: (char, style) by (block height, colour bucket): a strip is assembled from these, never computed per cell.
+_PIECE = [[(BLOCKS[b], _PALETTE[c]) for c in range(41)] for b in range(len(BLOCKS))]
+
+
 def heat_pieces(values: np.ndarray) -> tuple[Piece, ...]:
-    """One piece per step: a coloured sparkline of the layer's gradient norm against its own median. The
-    height is the log-deviation (bottom: 10x below, top: 10x above), the colour says the same for a glance
-    (blue - grey - red); ! (red) for non-finite, blank where the layer had no gradient."""
+    """A coloured sparkline of the layer's gradient norm against its own median, one character per step.
+    The height is the log-deviation (bottom: 10x below, top: 10x above), the colour says the same for a
+    glance (blue - grey - red); ! (red) for non-finite, blank where the layer had no gradient. Neighbours
+    of one colour share a piece (fewer segments for Textual to carry through its compositor)."""
+    v = np.asarray(values, dtype=np.float64)
+    c = np.clip(np.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), -1.0, 1.0)
+    blocks = np.rint((c + 1.0) / 2.0 * _TOP).astype(np.int64).tolist()
+    colours = np.rint((c + 1.0) * 20).astype(np.int64).tolist()
+    special = np.isnan(v).tolist(), np.isinf(v).tolist()
     out: list[Piece] = []
-    for v in values.tolist():
-        if v != v:
-            out.append((" ", None))
-        elif v in (math.inf, -math.inf):
-            out.append(("!", _BAD))
-        else:
-            c = max(-1.0, min(1.0, v))
-            out.append((BLOCKS[int(round((c + 1.0) / 2.0 * _TOP))], _PALETTE[int(round((c + 1.0) * 20))]))
+    text, style = "", None
+    for b, k, nan, inf in zip(blocks, colours, *special):
+        ch, st = (" ", None) if nan else ("!", _BAD) if inf else _PIECE[b][k]
+        if st is style:
+            text += ch
+            continue
+        if text:
+            out.append((text, style))
+        text, style = ch, st
+    if text:
+        out.append((text, style))
     return tuple(out)
 
 

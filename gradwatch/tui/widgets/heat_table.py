@@ -50,7 +50,6 @@ class HeatTable(Widget, can_focus=True):
         height: 1fr;
         background: $surface;
         color: $foreground;
-        &:focus { background-tint: $foreground 5%; }
         & > .heat-table--header { text-style: bold; background: $panel; color: $foreground; }
         & > .heat-table--even-row { background: $surface-lighten-1 50%; }
         &:dark > .heat-table--even-row { background: $surface-darken-1 40%; }
@@ -99,6 +98,7 @@ class HeatTable(Widget, can_focus=True):
         self._label_text = COLUMNS[0][1]
         self._name_width = COLUMNS[0][2]
         self._heat_width = COLUMNS[2][2]
+        self._styles: dict[Any, Style] = {}  # line styles and (line, piece) sums; cleared when CSS applies
 
     # ------------------------------------------------------------------ geometry
 
@@ -266,18 +266,33 @@ class HeatTable(Widget, can_focus=True):
         self._set_top(self._top - 3)
 
     def on_focus(self) -> None:
+        self._styles.clear()
         self._refresh_row(self.cursor_row)  # the cursor's colour says where the keys go
 
     def on_blur(self) -> None:
+        self._styles.clear()
         self._refresh_row(self.cursor_row)
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._styles.clear()
+
+    def _style(self, component: str | None) -> Style:
+        """The widget's style plus a component's, computed once per CSS update (``rich_style`` walks
+        the DOM: ~0.5 ms a line)."""
+        style = self._styles.get(component)
+        if style is None:
+            style = self._styles[component] = self.rich_style + (
+                self.get_component_rich_style(component) if component else Style())
+        return style
 
     # ------------------------------------------------------------------ drawing
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
-        base = self.rich_style
+        base = self._style(None)
         if y == 0:
-            style = base + self.get_component_rich_style("heat-table--header")
+            style = self._style("heat-table--header")
             labels = [Cell(((self._label_text if key == "name" else label, None),)) for key, label, _ in COLUMNS]
             return self._strip(labels, style, width, ellipsis=True)
         pos = self._top + y - 1
@@ -285,15 +300,15 @@ class HeatTable(Widget, can_focus=True):
             return Strip.blank(width, base)
         style = base
         if pos == self.cursor_row:
-            style = base + self.get_component_rich_style("heat-table--cursor")
+            style = self._style("heat-table--cursor")
         elif pos % 2 == 0:
-            style = base + self.get_component_rich_style("heat-table--even-row")
+            style = self._style("heat-table--even-row")
         strip = self._strip(self._row_cells(pos), style, width)
         n, page = len(self._order), self._page()
         if n > page and width > 0:  # a scroll thumb in the gutter's last column
             first = self._top * page // n
             if first <= y - 1 <= first + max(1, page * page // n) - 1:
-                thumb = Segment("\u2590", base + self.get_component_rich_style("heat-table--thumb"))
+                thumb = Segment("\u2590", self._style("heat-table--thumb"))
                 strip = Strip(list(strip.crop(0, width - 1)) + [thumb], width)
         return strip
 
@@ -313,7 +328,14 @@ class HeatTable(Widget, can_focus=True):
                     if ellipsis and text:
                         text = text[:-1] + "\u2026"
                     n = cell_len(text)
-                parts.append(Segment(text, style + piece_style if piece_style is not None else style))
+                if piece_style is not None:
+                    key = (style, piece_style)
+                    summed = self._styles.get(key)
+                    if summed is None:
+                        summed = self._styles[key] = style + piece_style
+                    parts.append(Segment(text, summed))
+                else:
+                    parts.append(Segment(text, style))
                 used += n
                 if used >= w:
                     break
@@ -324,4 +346,8 @@ class HeatTable(Widget, can_focus=True):
             if fill is not None and not cell.right:
                 segs.append(fill)
             segs.append(pad)
-        return Strip(segs).extend_cell_length(width, style).crop(0, width)
+        used = sum(self.column_widths())
+        if used < width:
+            segs.append(Segment(" " * (width - used), style))
+            return Strip(segs, width)
+        return Strip(segs).crop(0, width)
