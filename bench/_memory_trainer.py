@@ -78,7 +78,7 @@ def main() -> int:
             opt.step()
 
     train(args.warmup)
-    emit(event="ready", pid=os.getpid(), rss_kib=rss_kib(),
+    emit(event="ready", pid=os.getpid(), rss_kib=rss_kib(), sidecar_pid=getattr(getattr(gw, "sender", None), "pid", None),
          connection_file=str(gw.connection_file) if gw is not None else None)
     wait_for("go")
     t0 = time.perf_counter()
@@ -88,9 +88,11 @@ def main() -> int:
                                "rss_kib": rss_kib()}
     if gw is not None:
         time.sleep(0.5)  # let the sender drain its queue into the socket
-        info.update(published=gw._collector.published, sender=dict(gw.sender.counters) if gw.sender else None,
-                    trainer_errors=gw._errors, history=len(gw.sender._history) if gw.sender else None,
-                    history_bytes=gw.sender._history_bytes if gw.sender else None)
+        counters = dict(gw.sender.counters) if gw.sender else {}
+        thread = hasattr(gw.sender, "_history")  # GRADWATCH_SIDECAR=0: the sender is a thread of ours
+        info.update(published=gw._collector.published, sender=counters, trainer_errors=gw._errors,
+                    history=len(gw.sender._history) if thread else counters.get("history"),
+                    history_bytes=gw.sender._history_bytes if thread else counters.get("history_bytes"))
     emit(event="steps_done", **info)
     wait_for("close")
     t0 = time.perf_counter()

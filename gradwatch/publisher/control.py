@@ -152,6 +152,7 @@ class ControlServer(threading.Thread):
         self._second = time.monotonic()
         self._rejects_this_second = 0
         self._flooded = False
+        self._wake_rx, self._wake_tx = _wake_pair(sock)
 
     # ------------------------------------------------------------------ any thread
 
@@ -165,9 +166,20 @@ class ControlServer(threading.Thread):
         return self._seen.get(session) if session else None
 
     def stop(self, timeout: float = 0.5) -> None:
+        """Stop the thread; it is woken at once (it may be asleep in an idle poll of IDLE_POLL_S)."""
         self._stop_flag = True
+        if self._wake_tx is not None:
+            try:
+                import zmq
+
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except Exception:  # noqa: BLE001 - then the thread notices at its next poll
+                pass
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
+        if self._wake_tx is not None and not self.is_alive():
+            self._wake_tx.close(linger=0)
+            self._wake_tx = None
 
     # ------------------------------------------------------------------ control thread
 
@@ -175,11 +187,15 @@ class ControlServer(threading.Thread):
         import zmq
 
         sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self._wake_rx is not None:
+            poller.register(self._wake_rx, zmq.POLLIN)
         try:
             while not self._stop_flag:
                 try:
                     wait = POLL_S if self._outbox or self._busy is None or self._busy() else IDLE_POLL_S
-                    if sock.poll(int(wait * 1000), zmq.POLLIN):
+                    if sock in dict(poller.poll(int(wait * 1000))):
                         for _ in range(FLOOD_BATCH if self._flooded else 256):  # bounded: the outbox gets its turn
                             try:
                                 parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -197,10 +213,12 @@ class ControlServer(threading.Thread):
             self._flush_outbox(zmq)
         finally:
             self.audit.flush()
-            try:
-                sock.close(linger=0)
-            except Exception:  # noqa: BLE001
-                pass
+            for s in (sock, self._wake_rx):
+                try:
+                    if s is not None:
+                        s.close(linger=0)
+                except Exception:  # noqa: BLE001
+                    pass
             if self._on_stop is not None:
                 self._on_stop()
 
@@ -277,6 +295,25 @@ class ControlServer(threading.Thread):
 
 
 # --------------------------------------------------------------------------- sockets
+
+
+def _wake_pair(sock: Any) -> tuple[Any, Any]:
+    """An inproc PULL (polled by the control thread) and its PUSH (for :meth:`ControlServer.stop`), so that
+    closing a run does not wait out an idle poll. (None, None) if the socket has no context to share."""
+    try:
+        import zmq
+
+        ctx = sock.context
+        addr = f"inproc://gradwatch-control-wake-{id(sock):x}"
+        rx = ctx.socket(zmq.PULL)
+        rx.linger = 0
+        rx.bind(addr)
+        tx = ctx.socket(zmq.PUSH)
+        tx.linger = 0
+        tx.connect(addr)
+        return rx, tx
+    except Exception:  # noqa: BLE001
+        return None, None
 
 
 def bind_control(ctx: Any, run_id: str, stream_endpoint: str, curve: Any = None) -> tuple[Any, str]:

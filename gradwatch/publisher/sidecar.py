@@ -131,7 +131,8 @@ class Sidecar:
             now = time.monotonic()
             if now >= next_status:
                 next_status = now + STATUS_S
-                self.ring.write_back(pack([STATUS, dict(sender.counters), sender.failed, sender.last_error]))
+                counters = {**sender.counters, "history": len(sender._history), "history_bytes": sender._history_bytes}
+                self.ring.write_back(pack([STATUS, counters, sender.failed, sender.last_error]))
             if self.stop_request is not False and not self.ring.pending():
                 sender.stop(final=self.stop_request or None, timeout=1.0)  # type: ignore[arg-type]
                 return 0
@@ -245,4 +246,6 @@ def _diagnoser(schema: Any, diagnose: Any) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # sockets are closed already: skip the interpreter's teardown (the trainer waits for it)
