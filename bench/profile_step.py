@@ -50,6 +50,8 @@ class Timers:
         self.clock = clock
 
     def wrap(self, owner: Any, attr: str, label: str) -> Callable[[], None]:
+        if owner is None or not hasattr(owner, attr):  # an older gradwatch (before/after comparisons)
+            return lambda: None
         raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
         is_static = isinstance(raw, staticmethod)
         orig = getattr(owner, attr)
@@ -77,7 +79,17 @@ def thread_cpu(thread: Any) -> float:
 
 def profile_model(name: str, args: argparse.Namespace) -> None:
     import gradwatch
+    import importlib
+
     from gradwatch.publisher import collect, probes, sender
+
+    def optional(mod: str) -> Any:
+        try:
+            return importlib.import_module(f"gradwatch.publisher.{mod}")
+        except ImportError:
+            return None
+
+    flat, hyper = optional("flat"), optional("hyper")
 
     steps = args.steps or PLAN[name]
     wl = make_workload(name, quick=not args.full_size, seed=0)
@@ -111,9 +123,10 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
             seg = pc() - t0
             opt.step()
             segs.append(seg)
-            if bucket is not None and timers is not None:
+            if bucket is not None:
                 kind = "detail" if detail else "normal"
                 bucket[f"{kind}:TOTAL gw.step()"].append(seg)
+            if bucket is not None and timers is not None:
                 pieces = 0.0
                 for k, v in timers.acc.items():
                     bucket[f"{kind}:{k}"].append(v)
@@ -131,7 +144,11 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
         timers.wrap(probes.GradProbe, "grad_norms", "GradProbe.grad_norms (every step: grad norms, read on CPU)"),
         timers.wrap(probes.GradProbe, "details", "GradProbe.details (detail/trouble: max-abs, weight norms, snapshot)"),
         timers.wrap(probes.GradProbe, "_foreach_norm", "  of which GradProbe._foreach_norm (all calls)"),
-        timers.wrap(probes.GradProbe, "_maxabs_vec", "  of which GradProbe._maxabs_vec (detail, fused max-abs)"),
+        timers.wrap(probes.GradProbe, "_maxabs_vec", "  of which GradProbe._maxabs_vec (detail, per-tensor aminmax)"),
+        timers.wrap(getattr(flat, "FlatBuffer", None), "load", "  of which FlatBuffer.load (lean path: one _foreach_copy_)"),
+        timers.wrap(getattr(flat, "FlatBuffer", None), "norms", "  of which FlatBuffer.norms (lean path: numpy reduceat)"),
+        timers.wrap(getattr(flat, "FlatBuffer", None), "maxabs", "  of which FlatBuffer.maxabs (lean path, detail)"),
+        timers.wrap(getattr(hyper, "RateCache", None), "rates", "RateCache.rates (learning rates, non-detail steps)"),
         timers.wrap(probes.GradProbe, "finish", "GradProbe.finish (torch.cat into one buffer)"),
         timers.wrap(collect, "data_stats", "data_stats(inputs) + data_stats(targets)"),
         timers.wrap(collect, "scalar_part", "scalar_part(loss)"),
@@ -171,6 +188,8 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
     cpu1, pub1 = thread_cpu(snd), gw._collector.published
     for u in undo:
         u()
+    plain: dict[str, list[float]] = defaultdict(list)
+    train(steps, True, None, plain)  # the same loop, nothing wrapped: the figures to compare across versions
     segs_nodata = train(steps, False, None, None)
 
     bare_model = make_workload(name, quick=not args.full_size, seed=0)
@@ -207,6 +226,12 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
     amort = statistics.fmean(sorted(seg_all)[: int(len(seg_all) * 0.99) or None])
     print(f"amortized gw.step() (99% lowest, mean): {amort * 1e6:.1f} µs = segment ratio {1 + amort / bare_med:.4f}; "
           f"normal-step median alone: {1 + statistics.median(bucket['normal:TOTAL gw.step()']) / bare_med:.4f}")
+    pn, pd = plain["normal:TOTAL gw.step()"], plain["detail:TOTAL gw.step()"]
+    pall = sorted(pn + pd)
+    q = statistics.quantiles(pall, n=100)
+    print(f"unwrapped gw.step(): normal median {statistics.median(pn) * 1e6:.1f} µs, detail median "
+          f"{statistics.median(pd) * 1e6:.1f} µs ({len(pd)} detail steps); all steps: mean "
+          f"{statistics.fmean(pall) * 1e6:.1f}, p90 {q[89] * 1e6:.1f}, p99 {q[98] * 1e6:.1f} µs")
     print(f"gw.step(loss) without inputs/targets: median {statistics.median(segs_nodata) * 1e6:.1f} µs "
           f"(segment ratio {1 + statistics.median(segs_nodata) / bare_med:.4f})")
     pub = pub1 - pub0

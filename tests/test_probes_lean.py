@@ -120,8 +120,8 @@ def _decoded(kind: str, seed: int, lean: bool, steps: int, poison: bool) -> dict
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=2)
     if not lean:
-        gw._probe._flat = False  # noqa: SLF001 - the per-tensor path, as a model too large for the lean one
-    assert gw._probe._flat is lean  # noqa: SLF001
+        gw._probe._lean.ok = False  # noqa: SLF001 - the per-tensor path, as a model too large for the lean one
+    assert gw._probe._lean.ok is lean  # noqa: SLF001
     client = gradwatch.connect(gw.run_id)
     g = torch.Generator().manual_seed(seed)
     params = list(model.parameters())
@@ -198,8 +198,8 @@ def test_snapshot_buffer_is_reused_and_the_ratio_stays_exact(runtime: Path) -> N
         after.append([p.detach().double().clone() for p in model.parameters()])
         opt.zero_grad()
         if len(before) == 2:
-            buf = gw._probe._fw.buf  # noqa: SLF001
-    assert gw._probe._fw.buf is buf  # noqa: SLF001 - allocated once
+            buf = gw._probe._lean.fw.buf  # noqa: SLF001
+    assert gw._probe._lean.fw.buf is buf  # noqa: SLF001 - allocated once
     steps = {}
     for msg in client.records(timeout=10):
         if isinstance(msg, Step):
@@ -221,13 +221,13 @@ def test_a_copy_the_lean_path_cannot_make_falls_back_for_good(runtime: Path) -> 
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
-    assert gw._probe._flat  # noqa: SLF001 - eligible by dtype and size
+    assert gw._probe._lean.ok  # noqa: SLF001 - eligible by dtype and size
     for _ in range(3):
         model(torch.tensor([1, 2, 2])).sum().backward()
         gw.step()
         opt.step()
         opt.zero_grad()
-    assert not gw._probe._flat and gw._probe._fg is None  # noqa: SLF001
+    assert not gw._probe._lean.ok and gw._probe._lean.fg is None  # noqa: SLF001
     gw.close()
 
 
@@ -283,3 +283,19 @@ def test_small_batch_with_nan_still_counts_exactly() -> None:
     assert isinstance(st, tuple)
     fin = x[torch.isfinite(x)].double()
     assert st[1] == 2.0 and st[2] == pytest.approx(float(fin.min())) and st[4] == pytest.approx(float(fin.mean()), rel=1e-5)
+
+
+def test_per_tensor_max_abs_is_exact_with_missing_and_empty_tensors() -> None:
+    """The per-tensor path (models too large for the lean one): aminmax per tensor, exact, 0 where absent."""
+    from gradwatch.publisher.probes import GradProbe
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in ((4, 3), (5,), (0,), (2, 2), (7,))]
+    probe = GradProbe(params, update_ratio=False, queue_size=4)
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    grads[1][2] = -math.inf
+    grads[4][0] = math.nan
+    grads[3] = None  # type: ignore[call-overload]
+    got = probe._maxabs_vec(grads)  # noqa: SLF001
+    assert got[0] == float(grads[0].abs().max()) and got[1] == math.inf and got[2] == 0.0 and got[3] == 0.0
+    assert math.isnan(got[4]) and got.dtype == np.float32

@@ -108,3 +108,59 @@ def update_ratio(dw: np.ndarray, wn: np.ndarray) -> np.ndarray:
         tiny = np.float32(np.finfo(np.float32).tiny)
         ratio = np.where(wn > 0, dw / np.maximum(wn, tiny), (dw > 0).astype(np.float32))
         return np.where(np.isfinite(wn) & np.isfinite(dw), ratio, np.float32(np.nan)).astype(np.float32)
+
+
+class LeanPath:
+    """A probe's lean-path state: the gradient buffer, the weight buffer (also the snapshot whose difference
+    at the next boundary is the update) and whether this boundary's gradients are loaded. A copy that fails
+    (sparse gradients, a parameter replaced by the user) turns the path off for good (``ok``)."""
+
+    __slots__ = ("params", "ok", "fg", "fw", "fresh", "snap_wn")
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.ok = flat_eligible(params)
+        self.fg: FlatBuffer | None = None
+        self.fw: FlatBuffer | None = None
+        self.fresh = False  # fg holds the gradients of this boundary
+        self.snap_wn: np.ndarray | None = None  # the snapshot in fw is pending: the weight norms it had
+
+    def grads(self, grads: list[Any]) -> FlatBuffer | None:
+        """Every published step: the gradients copied in (all present), or None for the per-tensor path."""
+        self.fresh = False
+        if not self.ok:
+            return None
+        try:
+            if self.fg is None:
+                self.fg = FlatBuffer(self.params)
+            self.fg.load(grads)
+        except Exception:  # noqa: BLE001 - the per-tensor path handles what one copy cannot
+            self.ok, self.fg = False, None
+            return None
+        self.fresh = True
+        return self.fg
+
+    def weights(self) -> FlatBuffer | None:
+        """Detail steps: the weights copied into the snapshot buffer, or None (then the per-tensor path)."""
+        try:
+            if self.fw is None:
+                self.fw = FlatBuffer(self.params)
+            with torch.no_grad():
+                self.fw.load(self.params)
+        except Exception:  # noqa: BLE001
+            self.ok, self.fw, self.snap_wn = False, None, None
+            return None
+        return self.fw
+
+    def settle(self) -> np.ndarray | None:
+        """The update ratio of the pending snapshot against the live weights (None when there is none)."""
+        fw, wn, self.snap_wn = self.fw, self.snap_wn, None
+        if fw is None or wn is None:
+            return None
+        try:
+            with torch.no_grad():
+                torch._foreach_sub_(fw.views, self.params)  # snap := w_old - w_new, in float32
+        except Exception:  # noqa: BLE001
+            self.ok, self.fw = False, None
+            return None
+        return update_ratio(fw.norms(), wn)

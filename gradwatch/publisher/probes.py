@@ -34,7 +34,7 @@ import torch
 
 from gradwatch.publisher.act_probe import ActivationProbe, module_tree  # noqa: F401 - re-exported
 from gradwatch.publisher.data_stats import DATA_FIELDS, INF, data_stats  # noqa: F401 - re-exported
-from gradwatch.publisher.flat import FlatBuffer, exact_nonfinite, flat_eligible, total_norm, update_ratio
+from gradwatch.publisher.flat import LeanPath, exact_nonfinite, total_norm, update_ratio
 from gradwatch.publisher.hyper import HYPER_KEYS, RateCache, hyper_of, scalar_part  # noqa: F401 - re-exported
 from gradwatch.publisher.parts import Parts, _EventPool
 
@@ -77,14 +77,9 @@ class GradProbe:
         self._uniform = len(kinds) == 1
         self._f32 = self._uniform and next(iter(kinds))[1] == torch.float32
         self._out = torch.empty(self.n, dtype=torch.float32) if not self.cuda else None
-        #: The lean CPU path (:mod:`.flat`): gradients / weights (the snapshot) in one buffer each, made
-        #: at first use; ``_fresh``: the gradients of this boundary are in ``_fg``.
-        self._flat = not self.cuda and flat_eligible(params)
-        self._fg: FlatBuffer | None = None
-        self._fw: FlatBuffer | None = None
-        self._fresh = False
-        self._snap_flat = False  # the snapshot is in _fw (its norms in _snap_wn_np)
-        self._snap_wn_np: np.ndarray | None = None
+        #: The lean CPU path (:mod:`.flat`), host path only: gradients and weights in one buffer each.
+        self._lean = LeanPath(params)
+        self._lean.ok = self._lean.ok and not self.cuda
 
     def _zero(self, device: torch.device) -> torch.Tensor:
         z = self._zeros.get(device)
@@ -123,13 +118,6 @@ class GradProbe:
             return torch.stack(norms).float()
         return torch.stack(self._foreach_norm(tensors, ord)).float()
 
-    @staticmethod
-    def _maxabs(g: torch.Tensor) -> torch.Tensor:
-        """Max-abs of one tensor, exactly: NaN iff a NaN, inf iff an inf (aminmax: one pass, and on CPU
-        10x faster than an inf-norm)."""
-        lo, hi = torch.aminmax(g)
-        return torch.maximum(lo.float().neg(), hi.float())
-
     def settle(self) -> None:
         """At every step boundary: if a snapshot was taken at the previous one, measure the update.
 
@@ -138,8 +126,11 @@ class GradProbe:
         """
         if not self._snap_active:
             return
-        if self._snap_flat:
-            self._settle_flat()
+        if self._lean.snap_wn is not None:
+            ratio = self._lean.settle()
+            if ratio is not None:
+                self._pending_ur = (self._snap_step, ratio)
+            self._snap_active = False
             return
         if self._snap is None or self._snap_wn is None:
             self._snap_active = False
@@ -161,30 +152,6 @@ class GradProbe:
             self._pending_ur = (self._snap_step, ratio)
         self._snap_active = False
 
-    def _settle_flat(self) -> None:
-        """The lean path's update ratio: the snapshot buffer minus the live weights, one numpy reduction."""
-        fw, wn = self._fw, self._snap_wn_np
-        self._snap_active = self._snap_flat = False
-        if fw is None or wn is None:
-            return
-        with torch.no_grad():
-            torch._foreach_sub_(fw.views, self.params)  # snap := w_old - w_new, in float32
-        self._pending_ur = (self._snap_step, update_ratio(fw.norms(), wn))
-
-    def _flat_grads(self, grads: list[Any]) -> FlatBuffer | None:
-        """The gradients copied into the lean path's buffer, or None (not eligible, or the copy failed:
-        then this probe keeps to the per-tensor path for good)."""
-        if not self._flat:
-            return None
-        try:
-            if self._fg is None:
-                self._fg = FlatBuffer(self.params)
-            self._fg.load(grads)
-            return self._fg
-        except Exception:  # noqa: BLE001 - e.g. sparse gradients: the per-tensor path handles them
-            self._flat, self._fg = False, None
-            return None
-
     def grad_norms(self, parts: Parts, meta: dict[str, Any]) -> float | None:
         """Every published step: the per-parameter gradient L2 norms. On CUDA also the max-abs of every
         gradient and every weight (fused: NaN iff a NaN, inf iff an inf), so non-finite values are exact
@@ -196,10 +163,9 @@ class GradProbe:
         if nograd:
             meta["nograd"] = nograd
         host = parts.host
-        self._fresh = False
-        fg = self._flat_grads(grads) if host and complete else None
+        self._lean.fresh = False
+        fg = self._lean.grads(grads) if host and complete else None
         if fg is not None:
-            self._fresh = True
             norms = fg.norms()
             parts.put("gn", norms)
             total = total_norm(norms)
@@ -229,12 +195,19 @@ class GradProbe:
         weights (``wnf``) and the weight snapshot whose difference at the next boundary is the update."""
         if not self.n:
             return
-        if parts.host and self._fresh and self._fg is not None:
-            parts.put("gmax", self._fg.maxabs())
-            if self._flat_weights(parts, meta, step):
+        lean = self._lean
+        if parts.host and lean.fresh and lean.fg is not None:
+            parts.put("gmax", lean.fg.maxabs())
+            fw = lean.weights()
+            if fw is not None:
+                wn = fw.norms()
+                parts.put("wn", wn)
+                meta["wnf"] = exact_nonfinite(fw, wn)
+                if self.update_ratio:
+                    lean.snap_wn, self._snap_step, self._snap_active = wn, step, True
                 return
         elif parts.host:
-            parts.add("gmax", self._maxabs_vec([p.grad for p in self.params]))
+            parts.put("gmax", self._maxabs_vec([p.grad for p in self.params]))
         with torch.no_grad():
             weights = [p.detach() for p in self.params]
             wn = self._norm_vec(weights, 2.0, True)
@@ -251,25 +224,6 @@ class GradProbe:
                     torch._foreach_copy_(self._snap, weights)
                 self._snap_wn, self._snap_step, self._snap_active = wn, step, True
 
-    def _flat_weights(self, parts: Parts, meta: dict[str, Any], step: int) -> bool:
-        """The lean path's weight norms, exact non-finite weights and snapshot: one copy into the snapshot
-        buffer, one reduction. False if the copy failed (the per-tensor path then does it)."""
-        try:
-            if self._fw is None:
-                self._fw = FlatBuffer(self.params)
-            fw = self._fw
-            with torch.no_grad():
-                fw.load(self.params)
-        except Exception:  # noqa: BLE001
-            self._flat, self._fw = False, None
-            return False
-        wn = fw.norms()
-        parts.put("wn", wn)
-        meta["wnf"] = exact_nonfinite(fw, wn)
-        if self.update_ratio:
-            self._snap_wn_np, self._snap_step, self._snap_active, self._snap_flat = wn, step, True, True
-        return True
-
     def updates(self, parts: Parts, meta: dict[str, Any]) -> None:
         """The update ratios measured by :meth:`settle` at this boundary, if any."""
         if self._pending_ur is not None:
@@ -281,16 +235,21 @@ class GradProbe:
             meta["ur_step"] = ur_step
             self._pending_ur = None
 
-    def _maxabs_vec(self, grads: list[Any]) -> torch.Tensor:
-        """Max-abs per tensor (0 where missing): one fused pass when the tensors are small (on CPU ~7x
-        cheaper than per-tensor calls), per-tensor ``aminmax`` when a copy of them would be large."""
-        present = [g for g in grads if g is not None]
-        if present and all(g.numel() for g in present) and sum(g.numel() for g in present) <= 1 << 22:
-            vals = iter(torch._foreach_max(torch._foreach_abs(present)))
-            zero = self._zero(self.device)
-            return torch.stack([next(vals).float() if g is not None else zero for g in grads])
-        zero = self._zero(self.device)
-        return torch.stack([self._maxabs(g) if g is not None and g.numel() else zero for g in grads])
+    def _maxabs_vec(self, grads: list[Any]) -> np.ndarray:
+        """Host path: max-abs per tensor (0 where missing or empty), exactly: NaN iff a NaN, inf iff an inf.
+        Per-tensor ``aminmax`` (one pass, no copy): on CPU cheaper than ``_foreach_max(_foreach_abs)``
+        at every size measured (transformer 0.6 vs 1.2 ms, bench/README.md section 4.1)."""
+        out = np.zeros(len(grads), dtype=np.float32)
+        idx = [i for i, g in enumerate(grads) if g is not None and g.numel()]
+        if not idx:
+            return out
+        mm = [torch.aminmax(grads[i]) for i in idx]
+        if self._uniform:
+            lo, hi = (torch.stack([m[k] for m in mm]).float().cpu().numpy() for k in (0, 1))
+        else:  # several devices or dtypes: each pair brought to the main device first
+            lo, hi = (torch.stack([m[k].float().to(self.device) for m in mm]).cpu().numpy() for k in (0, 1))
+        out[idx] = np.maximum(-lo, hi)  # numpy's maximum propagates NaN
+        return out
 
     def finish(self, parts: Parts, step: int, ts: float, meta: dict[str, Any]) -> Work:
         """On CPU the values are already bytes. On CUDA: one buffer, one async copy to pinned memory
