@@ -106,3 +106,18 @@ def test_every_column_header_fits(size: tuple[int, int]) -> None:
     text = _texts(asyncio.run(go()))
     for header in ("grad norm", "recent steps", "weight norm", "update ratio", "non-finite"):
         assert header in text, (size, header)
+
+
+def test_downsampling_keeps_each_buckets_extremes_in_step_order() -> None:
+    """A 2,000-step series becomes at most 2 points per bucket, in step order, and no spike is lost."""
+    from gradwatch.tui.widgets.plots import downsample
+    rng = np.random.default_rng(3)
+    y = rng.standard_normal(2000).round(1)
+    y[1234], y[77] = 50.0, -50.0  # a spike and a dip
+    xs, ys = downsample(list(np.arange(2000.0)), y.tolist(), 160)
+    assert len(xs) <= 320 and all(b > a for a, b in zip(xs, xs[1:]))
+    assert (1234.0, 50.0) in zip(xs, ys) and (77.0, -50.0) in zip(xs, ys)
+    edges = np.linspace(0, 2000, 161).astype(int)
+    for a, b in zip(edges[:-1], edges[1:]):  # every bucket's min and max survive
+        inside = {v for x, v in zip(xs, ys) if a <= x < b}
+        assert {y[a:b].min(), y[a:b].max()} <= inside

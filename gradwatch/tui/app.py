@@ -131,6 +131,7 @@ class GradwatchApp(PauseActions, App[None]):
         self._next_plots = 0.0
         self._plots_stale = False
         self._table_stale = False
+        self._alerts_title = ""
         self._cpu_mark: tuple[float, float] | None = None
         self._cpu_share: float | None = None
         self.recording = recording
@@ -254,7 +255,8 @@ class GradwatchApp(PauseActions, App[None]):
                               and (a.layer is None or a.layer not in self.silenced_layers)]
                     hidden = len(self.state.alerts) - len(alerts)
                     acts = (self.state.activations, self.state.modules, self.state.last_step)
-            self.query_one("#status", StatusBar).update(status_text(**status))
+            # one line, fixed height: no layout pass for the whole screen on every frame
+            self.query_one("#status", StatusBar).update(status_text(**status), layout=False)
             if newly_paused and self.debug_console is None:
                 why = self.state.pause_reason
                 self.notify(f"the trainer paused at step {status['paused_step']}{': ' + why if why else ''}; "
@@ -282,8 +284,10 @@ class GradwatchApp(PauseActions, App[None]):
                         rows, heats.get, keep=self.selected_layer, force=force, matched=matched, sort=self.sort_key)
                 self.query_one("#alerts", AlertPane).show(alerts)
                 self.query_one("#activations", ActivationPanel).show(*acts)
-                self.query_one("#alerts-title", Static).update(
-                    f"alerts ({len(alerts)}" + (f", {hidden} silenced: u shows them" if hidden else "") + ")")
+                title = f"alerts ({len(alerts)}" + (f", {hidden} silenced: u shows them" if hidden else "") + ")"
+                if title != self._alerts_title:
+                    self._alerts_title = title
+                    self.query_one("#alerts-title", Static).update(title, layout=False)
         except Exception as exc:  # noqa: BLE001 - a drawing bug must not kill the viewer: count and show it
             self.errors += 1
             if self.errors <= 3:
