@@ -444,3 +444,16 @@ def test_scrolling_the_table_fills_the_rows_it_brings_on_screen() -> None:
             await pilot.pause(0.2)
             assert table.cursor_row == 0 and table.visible_window()[0] == 0
     asyncio.run(go())
+
+
+def test_clicking_a_table_row_plots_that_layer() -> None:
+    async def go() -> None:
+        app = make_app(synthetic())
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app, finished(app))
+            table = app.query_one("#table", HeatTable)
+            await pilot.click("#table", offset=(5, 3))  # line 0 is the header: this is the third row
+            await pilot.pause(0.3)
+            assert table.cursor_row == 2 and app.selected_layer == table.layer_at(2) is not None
+            assert app.query_one("#plot-grad", SeriesPlot).title == f"grad norm: {app.state.names[app.selected_layer]}"
+    asyncio.run(go())
