@@ -299,3 +299,25 @@ def test_per_tensor_max_abs_is_exact_with_missing_and_empty_tensors() -> None:
     got = probe._maxabs_vec(grads)  # noqa: SLF001
     assert got[0] == float(grads[0].abs().max()) and got[1] == math.inf and got[2] == 0.0 and got[3] == 0.0
     assert math.isnan(got[4]) and got.dtype == np.float32
+
+
+def test_device_side_statistics_equal_the_host_ones_and_their_constants_stay_bounded() -> None:
+    """The CUDA (branchless) pass, run on CPU: the same numbers as the host pass, with NaN/inf, integer ids,
+    and cached constants that neither leak between shapes nor grow without bound."""
+    from gradwatch.publisher import data_stats as ds
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 5, generator=g)
+    x[2, 1], x[5, 0] = math.nan, math.inf
+    ids = torch.randint(0, 50, (8, 3), generator=g)
+    for t in (x, ids, torch.randn(3, 7, generator=g)):
+        dev = data_stats(t, exact_on_host=False)
+        host = data_stats(t, exact_on_host=True)
+        assert isinstance(dev, torch.Tensor) and isinstance(host, tuple)
+        got = dev.tolist()
+        assert got[:2] == list(host[:2]) and got[6] == host[6] and math.isnan(got[7])
+        assert got[2:6] == pytest.approx(list(host[2:6]), rel=1e-5)
+    for n in range(1, 80):
+        data_stats(torch.ones(n), exact_on_host=False)
+    assert len(ds._CONSTS) <= 32  # noqa: SLF001
+    assert data_stats(torch.ones(4), exact_on_host=False).tolist()[:2] == [4.0, 0.0]

@@ -66,9 +66,26 @@ def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tenso
     hi = torch.where(fin, x, -INF).amax()
     if exact_on_host:  # CPU with non-finite values: read now, like the cheap pass
         return (numel, float(nonfinite), float(lo), float(hi), float(mean), float(var.sqrt()), integer, sp)
-    # torch.full, not torch.tensor: a pageable host->device copy would synchronise the stream
-    return torch.stack((torch.full((), numel, device=x.device), nonfinite, lo, hi, mean, var.sqrt(),
-                        torch.full((), integer, device=x.device), torch.full((), math.nan, device=x.device)))
+    head = _constants(x.device, numel, integer)  # [numel, integer, NaN], made once per shape
+    return torch.cat((head[:1], torch.stack((nonfinite, lo, hi, mean, var.sqrt())), head[1:]))
+
+
+_CONSTS: dict[tuple[Any, float, float], torch.Tensor] = {}
+
+
+def _constants(device: torch.device, numel: float, integer: float) -> torch.Tensor:
+    """The device-side constants of the masked pass, cached: three fills per batch per step are three kernel
+    launches on CUDA. torch.full, not torch.tensor: a pageable host->device copy would synchronise the stream.
+    Bounded: variable batch shapes clear the cache rather than grow it."""
+    key = (device, numel, integer)
+    t = _CONSTS.get(key)
+    if t is None:
+        if len(_CONSTS) >= 32:
+            _CONSTS.clear()
+        t = _CONSTS[key] = torch.stack((torch.full((), numel, device=device, dtype=torch.float32),
+                                        torch.full((), integer, device=device, dtype=torch.float32),
+                                        torch.full((), math.nan, device=device, dtype=torch.float32)))
+    return t
 
 
 def _numpy_stats(x: torch.Tensor, numel: float, integer: float, sp: float) -> tuple[float, ...] | None:

@@ -176,7 +176,7 @@ class GradProbe:
         if not host:
             parts.add("gmax", self._norm_vec(grads, INF, complete))
             with torch.no_grad():
-                parts.add("wmax", self._norm_vec([p.detach() for p in self.params], INF, True))
+                parts.add("wmax", self._norm_vec(self.params, INF, True))  # no_grad: no detach per parameter
             return None
         meta["nonfinite"] = {}
         if not self.n:
