@@ -8,16 +8,21 @@ pieces, with shared ``Style`` objects (a ``Style`` per heat cell cost ~100 ms a 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
+from rich.cells import cell_len, set_cell_size
+from rich.segment import Segment
 from rich.style import Style
+from textual.strip import Strip
 from rich.text import Text
 
 from gradwatch.text import num
 from gradwatch.tui.widgets.sparks import BLOCKS
 
 Piece = tuple[str, "Style | None"]
+#: Spaces on each side of a cell.
+PAD = 1
 
 
 class Cell(NamedTuple):
@@ -136,3 +141,45 @@ def row_cells(row: Any, heat: np.ndarray | None, name_width: int, heat_width: in
         Cell(((num(row.update_ratio, 2), None),), True),
         nonfinite_piece(row.nonfinite, row.nonfinite_total),
     )
+
+
+def line_strip(cells: Sequence[Cell], widths: Sequence[int], style: Style, width: int, sums: dict[Any, Style],
+               ellipsis: bool = False) -> Strip:
+    """One table line: each cell padded to its column (``widths`` include the padding) and cut at its
+    width (with an ellipsis if ``ellipsis``), the rest blank. ``sums`` caches ``style + piece style``."""
+    segs: list[Segment] = []
+    pad = Segment(" " * PAD, style)
+    for cell, w in zip(cells, widths):
+        w -= 2 * PAD
+        segs.append(pad)
+        used = 0
+        parts: list[Segment] = []
+        for text, piece_style in cell.pieces:
+            n = cell_len(text)
+            if used + n > w:
+                text = set_cell_size(text, w - used)
+                if ellipsis and text:
+                    text = text[:-1] + "\u2026"
+                n = cell_len(text)
+            if piece_style is not None:
+                summed = sums.get((style, piece_style))
+                if summed is None:
+                    summed = sums[(style, piece_style)] = style + piece_style
+                parts.append(Segment(text, summed))
+            else:
+                parts.append(Segment(text, style))
+            used += n
+            if used >= w:
+                break
+        fill = Segment(" " * (w - used), style) if used < w else None
+        if fill is not None and cell.right:
+            segs.append(fill)
+        segs += parts
+        if fill is not None and not cell.right:
+            segs.append(fill)
+        segs.append(pad)
+    used = sum(widths)
+    if used < width:
+        segs.append(Segment(" " * (width - used), style))
+        return Strip(segs, width)
+    return Strip(segs).crop(0, width)

@@ -13,7 +13,6 @@ import time
 from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
-from rich.cells import cell_len, set_cell_size
 from rich.segment import Segment
 from rich.style import Style
 from textual import events
@@ -23,13 +22,13 @@ from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
 
-from gradwatch.tui.widgets.heat_cells import (Cell, compact, heat_strip, nonfinite_cell,  # noqa: F401 (re-exported)
-                                              row_cells, shorten_middle)
+from gradwatch.tui.widgets.heat_cells import (PAD, Cell, compact, heat_strip, line_strip,  # noqa: F401 (re-exported)
+                                              nonfinite_cell, row_cells, shorten_middle)
 
 COLUMNS = (("name", "layer", 30), ("grad", "grad norm", 10), ("heat", "recent steps (vs own median)", 28),
            ("weight", "weight norm", 11), ("update", "update ratio", 12), ("nf", "non-finite", 12))
-#: Spaces on each side of a cell, and the columns kept free on the right (the scroll thumb).
-PAD, GUTTER = 1, 2
+#: Columns kept free on the right (the scroll thumb); PAD (heat_cells) spaces on each side of a cell.
+GUTTER = 2
 #: The name column takes what the others leave of the table's width, within these bounds; below
 #: NAME_MIN the heat strip gives up its oldest steps first, down to HEAT_MIN.
 NAME_MIN, NAME_MAX = 14, 60
@@ -294,7 +293,7 @@ class HeatTable(Widget, can_focus=True):
         if y == 0:
             style = self._style("heat-table--header")
             labels = [Cell(((self._label_text if key == "name" else label, None),)) for key, label, _ in COLUMNS]
-            return self._strip(labels, style, width, ellipsis=True)
+            return line_strip(labels, self.column_widths(), style, width, self._styles, ellipsis=True)
         pos = self._top + y - 1
         if pos >= len(self._order):
             return Strip.blank(width, base)
@@ -303,7 +302,7 @@ class HeatTable(Widget, can_focus=True):
             style = self._style("heat-table--cursor")
         elif pos % 2 == 0:
             style = self._style("heat-table--even-row")
-        strip = self._strip(self._row_cells(pos), style, width)
+        strip = line_strip(self._row_cells(pos), self.column_widths(), style, width, self._styles)
         n, page = len(self._order), self._page()
         if n > page and width > 0:  # a scroll thumb in the gutter's last column
             first = self._top * page // n
@@ -311,43 +310,3 @@ class HeatTable(Widget, can_focus=True):
                 thumb = Segment("\u2590", self._style("heat-table--thumb"))
                 strip = Strip(list(strip.crop(0, width - 1)) + [thumb], width)
         return strip
-
-    def _strip(self, cells: Sequence[Cell], style: Style, width: int, ellipsis: bool = False) -> Strip:
-        """One line: each cell padded to its column (cut at its width), the rest blank."""
-        segs: list[Segment] = []
-        pad = Segment(" " * PAD, style)
-        for cell, w in zip(cells, self.column_widths()):
-            w -= 2 * PAD
-            segs.append(pad)
-            used = 0
-            parts: list[Segment] = []
-            for text, piece_style in cell.pieces:
-                n = cell_len(text)
-                if used + n > w:
-                    text = set_cell_size(text, w - used)
-                    if ellipsis and text:
-                        text = text[:-1] + "\u2026"
-                    n = cell_len(text)
-                if piece_style is not None:
-                    key = (style, piece_style)
-                    summed = self._styles.get(key)
-                    if summed is None:
-                        summed = self._styles[key] = style + piece_style
-                    parts.append(Segment(text, summed))
-                else:
-                    parts.append(Segment(text, style))
-                used += n
-                if used >= w:
-                    break
-            fill = Segment(" " * (w - used), style) if used < w else None
-            if fill is not None and cell.right:
-                segs.append(fill)
-            segs += parts
-            if fill is not None and not cell.right:
-                segs.append(fill)
-            segs.append(pad)
-        used = sum(self.column_widths())
-        if used < width:
-            segs.append(Segment(" " * (width - used), style))
-            return Strip(segs, width)
-        return Strip(segs).crop(0, width)
