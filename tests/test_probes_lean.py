@@ -109,9 +109,15 @@ def test_update_ratio_on_the_host_matches_the_device_formula() -> None:
     nan = math.nan
     dw = np.array([0.5, 0.0, 0.3, 1.0, nan, 2.0], np.float32)
     wn = np.array([2.0, 0.0, 0.0, nan, 1.0, math.inf], np.float32)
-    got = update_ratio(dw, wn)
-    assert got.dtype == np.float32
-    assert got[:3].tolist() == [0.25, 0.0, 1.0] and all(math.isnan(v) for v in got[3:])
+    for n in (1, 100):  # the Python loop (few tensors) and numpy (many) say the same
+        got = update_ratio(np.tile(dw, n), np.tile(wn, n))
+        assert got.dtype == np.float32 and len(got) == 6 * n
+        assert got[:3].tolist() == [0.25, 0.0, 1.0] and all(math.isnan(v) for v in got[3:6])
+        assert got.tolist()[-6:-3] == [0.25, 0.0, 1.0]
+    g = np.random.default_rng(0)
+    dw, wn = g.random(300, dtype=np.float32), g.random(300, dtype=np.float32) + 0.1
+    assert update_ratio(dw[:200], wn[:200]).tolist() == pytest.approx((dw[:200] / wn[:200]).tolist(), rel=1e-7)
+    assert update_ratio(dw, wn).tolist() == pytest.approx((dw / wn).tolist(), rel=1e-7)
 
 
 def _decoded(kind: str, seed: int, lean: bool, steps: int, poison: bool) -> dict[int, Step]:

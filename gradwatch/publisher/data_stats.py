@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
-#: CPU batches up to this many values take numpy's cheap pass: four torch reductions and four ``.item()``
-#: cost ~18 us of dispatch for a 16x5 batch, numpy ~8 us (bench/README.md section 4.1); larger batches
-#: are bandwidth-bound and torch's one-pass ``aminmax`` wins.
-NUMPY_MAX = 1 << 14
+#: CPU batches up to this many values are read as one Python list: in the training loop (cold caches) a
+#: torch or numpy reduction costs 10-15 us of dispatch each, a list and the builtins ~25 us in all for a
+#: 16-value batch against ~55 for torch's pass and ~100 for numpy's (bench/README.md section 4.1).
+PY_MAX = 128
 INF = float("inf")
 DATA_FIELDS = ("numel", "nonfinite", "min", "max", "mean", "std")
 
@@ -23,9 +22,9 @@ def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tenso
     normalisation. ``spread`` (only when asked: on trouble steps, CPU) is max |x - x[0]|, 0 when every
     sample of the batch is the same; NaN when not measured.
 
-    On CPU the cheap pass (aminmax, sum, dot; numpy for small batches) is checked on the host and the
-    masked pass runs only if something is non-finite; on CUDA the masked pass always runs so no value is
-    read on the host.
+    On CPU the cheap pass (aminmax, sum, dot; a Python list for tiny batches) is checked on the host and
+    the masked pass runs only if something is non-finite; on CUDA the masked pass always runs so no value
+    is read on the host.
     """
     if not isinstance(t, torch.Tensor) or t.numel() == 0:
         return None
@@ -39,8 +38,8 @@ def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tenso
     sp = math.nan
     if spread and exact_on_host and x.dim() >= 1 and x.shape[0] > 1:
         sp = float((x - x[:1]).abs().amax())  # CPU, trouble steps only
-    if exact_on_host and numel <= NUMPY_MAX and x.device.type == "cpu":
-        st = _numpy_stats(x, numel, integer, sp)
+    if exact_on_host and numel <= PY_MAX and x.device.type == "cpu":
+        st = _list_stats(x, numel, integer, sp)
         if st is not None:
             return st
     elif exact_on_host:
@@ -88,18 +87,14 @@ def _constants(device: torch.device, numel: float, integer: float) -> torch.Tens
     return t
 
 
-def _numpy_stats(x: torch.Tensor, numel: float, integer: float, sp: float) -> tuple[float, ...] | None:
-    """The cheap pass in numpy, float64 sums around the midpoint; None when a value is
-    non-finite (NaN propagates through min/max; the masked pass then counts) or numpy cannot view ``x``."""
-    try:
-        a = x.resolve_neg().numpy().reshape(-1)
-    except Exception:  # noqa: BLE001 - a tensor numpy cannot view: torch's pass reads it
+def _list_stats(x: torch.Tensor, numel: float, integer: float, sp: float) -> tuple[float, ...] | None:
+    """The cheap pass for a tiny CPU batch, in Python floats (float64, exactly rounded sums around the
+    midpoint); None when a value is non-finite (the masked pass then counts them)."""
+    vals = x.reshape(-1).tolist()
+    if not math.isfinite(sum(vals)):  # NaN and inf propagate through a plain sum (min/max would not)
         return None
-    lo, hi = float(a.min()), float(a.max())
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return None
-    mid = (lo + hi) / 2  # the sums around the midpoint: no cancellation when |mean| >> std
-    d = a.astype(np.float64) - mid
-    dm = float(d.sum()) / numel
-    var = 0.0 if lo == hi else max(float(np.dot(d, d)) / numel - dm * dm, 0.0)
+    lo, hi = min(vals), max(vals)
+    mid = (lo + hi) / 2  # no cancellation when |mean| >> std
+    dm = math.fsum([v - mid for v in vals]) / numel
+    var = 0.0 if lo == hi else max(math.fsum([(v - mid) * (v - mid) for v in vals]) / numel - dm * dm, 0.0)
     return (numel, 0.0, lo, hi, mid + dm, math.sqrt(var), integer, sp)

@@ -89,23 +89,36 @@ class FlatBuffer:
         return out
 
 
-def exact_nonfinite(fb: FlatBuffer, norms: np.ndarray) -> dict[int, int]:
-    """Counts for the tensors whose L2 norm is not finite (an overflow of finite values counts 0)."""
-    bad = np.flatnonzero(~np.isfinite(norms))
-    return fb.nonfinite(bad) if len(bad) else {}
+def exact_nonfinite(fb: FlatBuffer, norms: np.ndarray, total: float | None = None) -> dict[int, int]:
+    """Counts for the tensors whose L2 norm is not finite (an overflow of finite values counts 0); the
+    common all-finite case is one builtin call (``total``: the total norm if already known)."""
+    if math.isfinite(total_norm(norms) if total is None else total):
+        return {}
+    return fb.nonfinite(np.flatnonzero(~np.isfinite(norms)))
 
 
 def total_norm(norms: np.ndarray) -> float:
-    """The total L2 norm from the per-tensor float32 norms, summed in float64 (no overflow below 1e154)."""
-    g = norms.astype(np.float64)
-    return math.sqrt(float(np.dot(g, g)))
+    """The total L2 norm from the per-tensor float32 norms, in float64 without overflow (``math.hypot``:
+    one builtin call, where numpy's astype + dot cost two cold library calls in the training loop).
+    Not finite iff a norm is not (then inf if one is inf, else NaN)."""
+    return math.hypot(*norms.tolist())
+
+
+#: Up to this many tensors the update ratio is a Python loop: ten numpy calls on 24 values cost more in
+#: the training loop (cold caches) than the loop itself.
+PY_RATIO_MAX = 256
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 def update_ratio(dw: np.ndarray, wn: np.ndarray) -> np.ndarray:
     """``||dw|| / ||w||`` per tensor on the host: 1 for a weight that was exactly 0 and moved (0 if it did
-    not), NaN where the old weight norm or the update is not finite (the ratio is unknown)."""
+    not), NaN where the old weight norm or the update is not finite (the ratio is unknown). Float32 out."""
+    if len(dw) <= PY_RATIO_MAX:
+        out = [math.nan if not (math.isfinite(d) and math.isfinite(w)) else d / max(w, _TINY) if w > 0
+               else float(d > 0) for d, w in zip(dw.tolist(), wn.tolist())]
+        return np.array(out, dtype=np.float32)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        tiny = np.float32(np.finfo(np.float32).tiny)
+        tiny = np.float32(_TINY)
         ratio = np.where(wn > 0, dw / np.maximum(wn, tiny), (dw > 0).astype(np.float32))
         return np.where(np.isfinite(wn) & np.isfinite(dw), ratio, np.float32(np.nan)).astype(np.float32)
 

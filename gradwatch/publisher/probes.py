@@ -169,7 +169,7 @@ class GradProbe:
             norms = fg.norms()
             parts.put("gn", norms)
             total = total_norm(norms)
-            meta["nonfinite"] = exact_nonfinite(fg, norms) if not math.isfinite(total) else {}
+            meta["nonfinite"] = exact_nonfinite(fg, norms, total)
             return total
         gn = self._norm_vec(grads, 2.0, complete, self._out if host else None)
         parts.add("gn", gn)
