@@ -61,6 +61,9 @@ class SenderConfig:
     name: str = "run"
     #: On the first critical alert, the last this-many steps (all layers) go to a recording file.
     flight_steps: int = 200
+    #: The sidecar: is the trainer able to run (False while it is SIGSTOPped)? Heartbeats say so, so a
+    #: stopped trainer looks silent to a viewer, as it did when the heartbeats came from its own thread.
+    trainer_running: Callable[[], bool] | None = None
 
 
 class Sender(threading.Thread):
@@ -153,7 +156,9 @@ class Sender(threading.Thread):
                         self._flush(zmq)
                     now = time.monotonic()
                     if now >= next_hb:
-                        self._send(self._heartbeat_body(), zmq)
+                        running = self.cfg.trainer_running
+                        if running is None or running():
+                            self._send(self._heartbeat_body(), zmq)
                         next_hb = now + HEARTBEAT_S
                     self._consecutive_errors = 0
                 except Exception as exc:  # noqa: BLE001 - count, warn once, never reach the trainer

@@ -22,6 +22,7 @@ import signal
 import struct
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,9 @@ from gradwatch.publisher.sender import Sender, SenderConfig
 POLL_S = 0.01
 #: The sidecar reports its counters to the trainer this often.
 STATUS_S = 0.25
+#: After the trainer's stop, what the ring still holds is sent for at most this long; the rest is dropped
+#: and counted (a trainer far ahead of its sidecar must still exit within 2 s).
+STOP_DRAIN_S = 0.8
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,6 +66,8 @@ class Sidecar:
         self.stop_request: tuple[str, str] | None | bool = False
         self.terminated = False
         self.bad_records = 0
+        self.stop_deadline: float | None = None
+        self.dropped_at_stop = 0
 
     # ------------------------------------------------------------------ records from the trainer
 
@@ -87,6 +93,7 @@ class Sidecar:
             self.connection_file = rec[1]
         elif kind == STOP:
             self.stop_request = (rec[1], rec[2]) if rec[1] else None
+            self.stop_deadline = time.monotonic() + STOP_DRAIN_S
 
     def counters_extra(self) -> dict[str, int]:
         c = dict(self.trainer_counters)
@@ -100,6 +107,14 @@ class Sidecar:
         self.ring.write_back(pack([ALERT, alert.kind, alert.severity, alert.step, alert.message]))
 
     # ------------------------------------------------------------------ the loop
+
+    def trainer_running(self) -> bool:
+        """False while the trainer is stopped (SIGSTOP, Ctrl-Z) or held by a tracer: no heartbeat then."""
+        try:
+            state = Path(f"/proc/{self.trainer_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True  # no /proc (not Linux): as alive as the process is
+        return state not in ("T", "t")
 
     def trainer_gone(self) -> str | None:
         if os.getppid() != self.trainer_pid:
@@ -133,9 +148,19 @@ class Sidecar:
                 next_status = now + STATUS_S
                 counters = {**sender.counters, "history": len(sender._history), "history_bytes": sender._history_bytes}
                 self.ring.write_back(pack([STATUS, counters, sender.failed, sender.last_error]))
-            if self.stop_request is not False and not self.ring.pending():
-                sender.stop(final=self.stop_request or None, timeout=1.0)  # type: ignore[arg-type]
-                return 0
+            if self.stop_request is not False:
+                late = self.stop_deadline is not None and now > self.stop_deadline
+                if late:
+                    self.dropped_at_stop += len(self.ring.read()) + len(sender._queue)
+                    sender._queue.clear()
+                if late or (not self.ring.pending() and not sender._queue):
+                    final = self.stop_request or None
+                    if final is not None and self.dropped_at_stop:
+                        final = (final[0], f"{final[1]}; {self.dropped_at_stop} steps not sent (the sidecar was "
+                                           "behind when the trainer stopped)")
+                    sender.counters["dropped_queue"] += self.dropped_at_stop
+                    sender.stop(final=final, timeout=0.5)  # type: ignore[arg-type]
+                    return 0
             if gone is not None or self.terminated:
                 for payload in self.ring.read():  # what the trainer managed to hand over before it went
                     try:
@@ -145,8 +170,8 @@ class Sidecar:
                 if self.terminated and gone is None:
                     final = ("finished", "stopped (the sidecar was sent SIGTERM)")
                 else:
-                    final = ("crashed", f"the trainer (pid {self.trainer_pid}) ended without closing gradwatch "
-                                        "(killed, e.g. SIGKILL or out of memory, or os._exit)")
+                    final = ("crashed", f"the trainer (pid {self.trainer_pid}) is gone without closing gradwatch "
+                                        "(killed: SIGKILL, out of memory, or os._exit)")
                 sender.stop(final=final, timeout=1.5)
                 if self.connection_file is not None:
                     try:
@@ -219,6 +244,7 @@ def main() -> int:
         side = Sidecar(cfg, ring, sender)
         box["s"] = side
         sc.counters_extra = side.counters_extra
+        sc.trainer_running = side.trainer_running
         sc.on_alert = side.on_alert
     except Exception as exc:  # noqa: BLE001 - one line for the trainer's warning, never a traceback
         _answer(ok=False, error=f"{type(exc).__name__}: {exc}")

@@ -307,6 +307,10 @@ def run(sc: Scenario, *, drain_timeout: float = 10.0) -> Result:
             gw.close()
         collector.deadline = time.monotonic() + drain_timeout
         collector.join(drain_timeout + 5)
+        # for a failure's report: what the viewer side received and refused, and the sender's last heartbeat
+        counters.update(viewer_frames=client.received, **{f"viewer_rejected_{k}": v for k, v in client.rejected.items()})
+        if client.last_heartbeat is not None:
+            counters.update({f"hb_{k}": v for k, v in client.last_heartbeat.counters.items()})
     finally:
         if collector is not None and collector.is_alive():
             collector.deadline = 0.0
