@@ -29,6 +29,13 @@ over rounds. Variants: bare, bare_AA (A/A control), gradwatch+sub (live subscrib
 gradwatch, gradwatch_loss_only (no inputs/targets stats), naive_item (per-parameter
 ``p.grad.norm().item()``: one sync per parameter), lightning_grad_norm (Lightning's ``grad_norm`` +
 ``float()`` for logging). The host time of the monitoring call is also reported ("host µs").
+Part B runs once per ``--modes`` entry (default ``bf16,fp32,bf16-compile``: bf16 autocast, fp32 with TF32
+matmuls, and bf16 through ``torch.compile``); modes after the first run the variants bare, bare_AA,
+gradwatch+sub and naive_item only. On one H200 the default run is meant to fit well inside 10 minutes.
+
+gradwatch's sender runs in its sidecar process (``bench/README.md`` 3): what the trainer's threads do
+is the measurement, one ring write per step and, on CUDA, the ``gradwatch-handoff`` thread that waits
+on each step's copy event. A1 lists that thread's syncs under "sender/other thread".
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ from torch import nn  # noqa: E402
 VARIANTS = ("bare", "bare_AA", "gradwatch+sub", "gradwatch", "gradwatch_loss_only", "naive_item",
             "lightning_grad_norm")
 GW_VARIANTS = ("gradwatch+sub", "gradwatch", "gradwatch_loss_only")
+#: The variants of the second and later precision/compile modes (time: compiling costs ~1 min a variant).
+MODE_VARIANTS = ("bare", "bare_AA", "gradwatch+sub", "naive_item")
 TARGET = 1.01  # docs/design.md, "Measuring": GPU, zero-sync pipeline, steps >= 100 ms: <= 1.01
 
 
@@ -172,9 +181,9 @@ FAKE_SYNC = {"mode": ""}  # --cpu-smoke only: a fake "sync" inside data_stats ex
 
 def install_fake_sync() -> None:
     """CPU smoke test only: make data_stats() warn/raise like a synchronizing CUDA call would."""
-    from gradwatch.publisher import watcher as watcher_mod
+    from gradwatch.publisher import collect as collect_mod  # where the boundary calls it
 
-    orig = watcher_mod.data_stats
+    orig = collect_mod.data_stats
 
     def data_stats(t: Any, exact_on_host: bool, **kw: Any) -> Any:
         if FAKE_SYNC["mode"] == "warn":
@@ -183,7 +192,7 @@ def install_fake_sync() -> None:
             raise RuntimeError("called a synchronizing CUDA operation (FAKE: --cpu-smoke self-test)")
         return orig(t, exact_on_host, **kw)
 
-    watcher_mod.data_stats = data_stats
+    collect_mod.data_stats = data_stats
 
 
 @contextlib.contextmanager
@@ -253,10 +262,14 @@ def pct(xs: list[float], q: float) -> float:
 
 class Runner:
     def __init__(self, name: str, base: nn.Module, dev: torch.device, idx: torch.Tensor, tgt: torch.Tensor,
-                 fused: bool) -> None:
+                 fused: bool, mode: str = "bf16") -> None:
         self.name = name
         self.model = copy.deepcopy(base).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused or None)
+        self.bf16 = mode.startswith("bf16")
+        # gradwatch watches the module (its parameters); the compiled callable runs the steps
+        self.forward: Callable[[torch.Tensor], torch.Tensor] = (
+            torch.compile(self.model) if mode.endswith("compile") else self.model)  # type: ignore[assignment]
         self.dev, self.idx, self.tgt = dev, idx, tgt
         self.monitor: Callable[[torch.Tensor], Any] | None = None
         self.gw: Any = None
@@ -268,8 +281,10 @@ class Runner:
         model, opt = self.model, self.opt
         PHASE[0] = "forward+backward"
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device_type=self.dev.type, dtype=torch.bfloat16):
-            logits = model(self.idx)
+        amp = (torch.autocast(device_type=self.dev.type, dtype=torch.bfloat16) if self.bf16
+               else contextlib.nullcontext())
+        with amp:
+            logits = self.forward(self.idx)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), self.tgt.view(-1))
         loss.backward()
         PHASE[0] = "gw.step"
@@ -410,11 +425,11 @@ def part_a(base: nn.Module, dev: torch.device, idx: torch.Tensor, tgt: torch.Ten
 
 
 def part_b(base: nn.Module, dev: torch.device, idx: torch.Tensor, tgt: torch.Tensor, args: argparse.Namespace,
-           sync: Callable[[], None]) -> dict[str, Any]:
+           sync: Callable[[], None], mode: str = "bf16", variants: list[str] | None = None) -> dict[str, Any]:
     cuda = dev.type == "cuda"
     runners = {}
-    for v in args.variants:
-        r = Runner(v, base, dev, idx, tgt, fused=cuda)
+    for v in variants or args.variants:
+        r = Runner(v, base, dev, idx, tgt, fused=cuda, mode=mode)
         if v not in ("bare", "bare_AA"):
             attach(r, v)
         runners[v] = r
@@ -458,7 +473,7 @@ def part_b(base: nn.Module, dev: torch.device, idx: torch.Tensor, tgt: torch.Ten
             "segment_ratio": 1 + seg_med / bare_step, "per_round_ratios": [round(x, 4) for x in ratios],
             **info.get(v, {}),
         }
-    return {"bare_step_ms": bare_step * 1e3, "rows": rows, "elapsed_s": round(time.monotonic() - t0, 1)}
+    return {"mode": mode, "bare_step_ms": bare_step * 1e3, "rows": rows, "elapsed_s": round(time.monotonic() - t0, 1)}
 
 
 def report(res: dict[str, Any]) -> None:
@@ -495,10 +510,9 @@ def report(res: dict[str, Any]) -> None:
         print(f"\nPREFLIGHT: gradwatch not importable; gradwatch rows and part A skipped:\n{res['preflight_error']}")
     if res.get("A_error"):
         print(f"\nPART A FAILED:\n{res['A_error']}")
-    b = res.get("B")
-    if b is not None:
-        print(f"\nB  interleaved step time, {res['meta']['rounds']} rounds x {res['meta']['steps']} steps per block; "
-              f"bare step {b['bare_step_ms']:.2f} ms; synchronize() only around each block")
+    for b in res.get("B_modes", []):
+        print(f"\nB  [{b['mode']}] interleaved step time, {res['meta']['rounds']} rounds x {res['meta']['steps']} steps "
+              f"per block; bare step {b['bare_step_ms']:.2f} ms; synchronize() only around each block")
         hdr = (f"{'variant':<22} {'median ratio':>12} {'min':>7} {'max':>7} {'p25-p75':>13} {'step ms':>8} "
                f"{'host µs':>9} {'segment ratio':>13}  target")
         print(hdr)
@@ -538,6 +552,8 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--modes", default="bf16,fp32,bf16-compile",
+                    help="part B once per mode: bf16 autocast, fp32 (TF32 matmuls), bf16 with torch.compile")
     ap.add_argument("--skip-a", action="store_true")
     ap.add_argument("--skip-b", action="store_true")
     ap.add_argument("--out", default="")
@@ -599,12 +615,19 @@ def main() -> int:
             res["A_error"] = traceback.format_exc()
             print(res["A_error"], flush=True)
     if not args.skip_b:
-        print("part B: interleaved timing ...", flush=True)
-        try:
-            res["B"] = part_b(base, dev, idx, tgt, args, sync)
-        except Exception:  # noqa: BLE001
-            res["B_error"] = traceback.format_exc()
-            print(res["B_error"], flush=True)
+        res["B_modes"] = []
+        for i, mode in enumerate(m.strip() for m in args.modes.split(",") if m.strip()):
+            # the first mode gets every variant; the others the ones the issue asks about
+            variants = args.variants if i == 0 else [v for v in args.variants if v in MODE_VARIANTS]
+            print(f"part B [{mode}]: interleaved timing ...", flush=True)
+            try:
+                res["B_modes"].append(part_b(base, dev, idx, tgt, args, sync, mode, variants))
+            except Exception:  # noqa: BLE001
+                res.setdefault("B_error", "")
+                res["B_error"] += f"[{mode}]\n{traceback.format_exc()}"
+                print(res["B_error"], flush=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     if dev.type == "cuda":
         meta["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     meta["total_s"] = round(time.monotonic() - t_setup, 1)
