@@ -215,3 +215,45 @@ def test_a_sidecar_that_cannot_start_leaves_the_sender_in_a_thread(runtime: Path
         assert steps == [0, 1, 2, 3, 4]
     finally:
         gw.close()
+
+
+def test_cuda_hand_off_reads_the_buffer_only_after_its_event_and_off_the_training_thread(tmp_path: Path) -> None:
+    """The CUDA path (logic on CPU: no GPU here): a step whose device->host copy is still in flight is
+    handed to the gradwatch-handoff thread; the training thread's submit returns at once, and the ring
+    gets the buffer's values as they are once the event completed, not before."""
+    import threading
+
+    ring = Ring.create(tmp_path / "r", fwd_cap=1 << 20)
+    sidecar_side = Ring.attach(tmp_path / "r")
+    stub = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    sender = handoff.SidecarSender(stub, ring, None)
+
+    class CopyEvent:  # stands in for torch.cuda.Event: synchronize() returns once the copy has landed
+        def __init__(self) -> None:
+            self.landed = threading.Event()
+            self.waited_in: str | None = None
+
+        def synchronize(self) -> None:
+            self.waited_in = threading.current_thread().name
+            self.landed.wait(10)
+
+    try:
+        buf = torch.zeros(4)
+        ev = CopyEvent()
+        sender.submit(Work(step=7, ts=1.0, buf=buf, layout={"gn": (0, 4)}, event=ev, meta={"opt": []}, values={}))
+        time.sleep(0.2)
+        assert sidecar_side.read() == []  # nothing leaves before the copy is complete
+        buf.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # the asynchronous copy lands...
+        ev.landed.set()  # ...and its event completes
+        records: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while not records and time.monotonic() < deadline:
+            records = sidecar_side.read()
+            time.sleep(0.01)
+        (rec,) = [handoff.unpack(r) for r in records]
+        assert rec[0] == handoff.WORK and rec[1] == 7
+        assert np.frombuffer(rec[3], np.float32).tolist() == [1.0, 2.0, 3.0, 4.0]
+        assert ev.waited_in == "gradwatch-handoff"
+    finally:
+        sender.stop(timeout=0.5)
+        assert stub.poll() is not None  # stop() does not leave its process behind
