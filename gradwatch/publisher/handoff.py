@@ -273,9 +273,11 @@ def _close_in_forked_children(sender: SidecarSender) -> None:
     def child() -> None:
         s = ref()
         if s is not None and s._proc.stdin is not None:
-            try:
-                os.close(s._proc.stdin.fileno())
-            except OSError:
+            try:  # /dev/null over the pipe's fd, not close(): the file object still owns that fd number
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, s._proc.stdin.fileno())
+                os.close(null)
+            except (OSError, ValueError):
                 pass
 
     os.register_at_fork(after_in_child=child)
