@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/profile_step.py                        # tiny_mlp, mid_mlp, transformer (quick size)
     .venv/bin/python bench/profile_step.py --models tiny_mlp --steps 3000 --cprofile 25
+    .venv/bin/python bench/profile_step.py --ab /tmp/old --models tiny_mlp   # A/B against an older tree
 
 For each model it trains with ``gradwatch.watch(..., every=1)`` (no subscriber unless ``--sub``) and
 times, around the real gradwatch functions (wrapped in this process only; the package is not edited):
@@ -335,6 +336,81 @@ def sender_interference(name: str, args: argparse.Namespace) -> None:
             gw.close()
 
 
+def _renamed_copy(src: Path, dest: Path) -> None:
+    """``src/gradwatch`` copied to ``dest/gradwatch_b`` with its own imports renamed, so two versions of the
+    package can run in one process (the A/B below)."""
+    import re
+    import shutil
+
+    shutil.copytree(src / "gradwatch", dest / "gradwatch_b", ignore=shutil.ignore_patterns("__pycache__"))
+    pat = re.compile(r"(from|import) gradwatch(\.| |$)", re.M)
+    for f in (dest / "gradwatch_b").rglob("*.py"):
+        text = pat.sub(r"\1 gradwatch_b\2", f.read_text())
+        f.write_text(re.sub(r'"gradwatch\.([a-z_.]+)"', r'"gradwatch_b.\1"', text))
+
+
+def ab(name: str, args: argparse.Namespace) -> None:
+    """``--ab TREE``: gw.step() of the gradwatch in TREE (e.g. ``git archive HEAD~3 | tar -x -C /tmp/old``)
+    against this one, in one process: interleaved shuffled rounds, each variant its own model copy, same
+    batch. On this shared box only an in-process interleaving gives before/after figures that agree."""
+    import copy
+    import random
+
+    import gradwatch
+
+    dest = Path(tempfile.mkdtemp(prefix="gw-ab-"))
+    _renamed_copy(Path(args.ab), dest)
+    sys.path.insert(0, str(dest))
+    import gradwatch_b  # type: ignore[import-not-found]
+
+    rounds, k = (args.rounds or 40), (args.steps or 30)
+    wl = make_workload(name, quick=not args.full_size, seed=0)
+    runs: dict[str, Any] = {}
+    for tag, mod in (("before", gradwatch_b), ("after", gradwatch), ("bare", None)):
+        m = copy.deepcopy(wl.model)
+        o = torch.optim.Adam(m.parameters(), lr=1e-4)
+        gw = mod.watch(m, o, name=f"ab-{tag}", every=1, announce=False) if mod else None
+        runs[tag] = (m, o, gw, {"normal": [], "detail": []}, [])
+
+    def block(tag: str, n: int) -> None:
+        m, o, gw, res, whole = runs[tag]
+        pc = time.perf_counter
+        for _ in range(n):
+            t0 = pc()
+            o.zero_grad(set_to_none=True)
+            loss = wl.loss_fn(m(wl.x), wl.y)
+            loss.backward()
+            if gw is not None:
+                detail = is_detail(gw._collector.published, gw._collector.detail_every)
+                t1 = pc()
+                gw.step(loss, inputs=wl.x, targets=wl.y)
+                res["detail" if detail else "normal"].append(pc() - t1)
+            o.step()
+            whole.append(pc() - t0)
+
+    for tag in runs:  # warm-up, the first three (detail) steps included
+        block(tag, 5)
+        runs[tag][3]["normal"].clear()
+        runs[tag][3]["detail"].clear()
+        runs[tag][4].clear()
+    rng = random.Random(0)
+    order = list(runs)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for tag in order:
+            block(tag, k)
+    bare = statistics.median(runs["bare"][4])
+    print(f"\n== A/B {name}: {rounds} rounds x {k} steps; bare step median {bare * 1e3:.3f} ms; before = {args.ab}")
+    for tag in ("before", "after"):
+        _, _, gw, res, whole = runs[tag]
+        allv = sorted(res["normal"] + res["detail"])
+        q = statistics.quantiles(allv, n=100)
+        print(f"  {tag:6} gw.step(): normal median {statistics.median(res['normal']) * 1e6:8.1f} µs, detail median "
+              f"{statistics.median(res['detail']) * 1e6:8.1f} µs ({len(res['detail'])}), mean {statistics.fmean(allv) * 1e6:8.1f}, "
+              f"p90 {q[89] * 1e6:8.1f}, p99 {q[98] * 1e6:8.1f}; whole step median {statistics.median(whole) / bare:.3f}x bare")
+        gw.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny_mlp,mid_mlp,transformer")
@@ -345,13 +421,16 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--interference", action="store_true",
                     help="instead: measure the sender thread's cost outside gw.step() (interleaved rounds)")
-    ap.add_argument("--rounds", type=int, default=0, help="rounds for --interference (default 40)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds for --interference / --ab (default 40)")
+    ap.add_argument("--ab", metavar="TREE", help="instead: A/B gw.step() of the gradwatch in TREE against this one")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ["GRADWATCH_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="gw-prof-")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
     for m in args.models.split(","):
-        if args.interference:
+        if args.ab:
+            ab(m.strip(), args)
+        elif args.interference:
             sender_interference(m.strip(), args)
         else:
             profile_model(m.strip(), args)
