@@ -327,3 +327,25 @@ def test_device_side_statistics_equal_the_host_ones_and_their_constants_stay_bou
         data_stats(torch.ones(n), exact_on_host=False)
     assert len(ds._CONSTS) <= 32  # noqa: SLF001
     assert data_stats(torch.ones(4), exact_on_host=False).tolist()[:2] == [4.0, 0.0]
+
+
+def test_a_model_turned_float64_after_watch_leaves_the_lean_path(runtime: Path) -> None:
+    """float32 cannot hold float64 values exactly (1e300 would read inf: a false non-finite count)."""
+    model = _mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=1)
+    client = gradwatch.connect(gw.run_id)
+    model.double()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e300)
+    gw.step()
+    steps = {}
+    for msg in client.records(timeout=10):
+        if isinstance(msg, Step):
+            steps[msg.step] = msg
+            break
+    gw.close()
+    client.close()
+    s = steps[0]
+    assert s.nonfinite == {} and s.weight_nonfinite == {}  # huge, but finite
+    assert s.grad_max is not None and all(math.isinf(v) for v in s.grad_max)  # float32 on the wire: inf

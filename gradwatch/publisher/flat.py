@@ -141,8 +141,8 @@ class LeanPath:
     def grads(self, grads: list[Any]) -> FlatBuffer | None:
         """Every published step: the gradients copied in (all present), or None for the per-tensor path."""
         self.fresh = False
-        if not self.ok:
-            return None
+        if not self.ok or grads[0].dtype not in _EXACT or grads[-1].dtype not in _EXACT:
+            return None  # e.g. model.double() after watch(): float32 would not hold its values exactly
         try:
             if self.fg is None:
                 self.fg = FlatBuffer(self.params)
@@ -155,6 +155,8 @@ class LeanPath:
 
     def weights(self) -> FlatBuffer | None:
         """Detail steps: the weights copied into the snapshot buffer, or None (then the per-tensor path)."""
+        if self.params[0].dtype not in _EXACT or self.params[-1].dtype not in _EXACT:
+            return None
         try:
             if self.fw is None:
                 self.fw = FlatBuffer(self.params)
