@@ -20,7 +20,8 @@ Cost rules (docs/design.md, Torch 4-6 and "The trainer side"):
 * Activation statistics (:mod:`.act_probe`) use forward hooks attached only for the steps that need
   them; batch statistics are in :mod:`.data_stats`.
 
-Only this module and ``watcher.py`` touch torch; both import it lazily through ``gradwatch.watch``.
+Only the probe modules (this one, :mod:`.flat`, :mod:`.parts`, :mod:`.hyper`, :mod:`.data_stats`, :mod:`.act_probe`)
+and ``watcher.py`` touch torch; all are imported lazily through ``gradwatch.watch``.
 """
 
 from __future__ import annotations
