@@ -42,6 +42,9 @@ class Ring:
         self.back_cap = back_cap
         self._fwd_at = _HEADER
         self._back_at = _HEADER + fwd_cap
+        # what this side last saw of the other side's position: it only ever grows, so a writer re-reads
+        # the reader's position only when the space it knew of is not enough (fewer loads per record)
+        self._seen_r = {_FWD_R: 0, _BACK_R: 0}
 
     @classmethod
     def create(cls, path: Path, fwd_cap: int, back_cap: int = 256 * 1024) -> Ring:
@@ -105,22 +108,24 @@ class Ring:
     def _write(self, payload: bytes, base: int, cap: int, w_at: int, r_at: int) -> bool:
         mm = self._mm
         w = _Q.unpack_from(mm, w_at)[0]
-        r = _Q.unpack_from(mm, r_at)[0]
         n = _L.size + len(payload)
-        if n > cap - (w - r):
-            return False
-        self._put(base, cap, w, _L.pack(len(payload)))
-        self._put(base, cap, w + _L.size, payload)
+        if n > cap - (w - self._seen_r[r_at]):
+            r = self._seen_r[r_at] = _Q.unpack_from(mm, r_at)[0]
+            if n > cap - (w - r):
+                return False
+        self._put(base, cap, w, _L.pack(len(payload)) + payload)
         _Q.pack_into(mm, w_at, w + n)  # after the record: the reader sees all of it or none
         return True
 
     def _put(self, base: int, cap: int, pos: int, data: bytes) -> None:
         off = pos % cap
-        first = min(len(data), cap - off)
         mm = self._mm
-        mm[base + off: base + off + first] = data[:first]
-        if first < len(data):
-            mm[base: base + len(data) - first] = data[first:]
+        if off + len(data) <= cap:
+            mm[base + off: base + off + len(data)] = data
+            return
+        first = cap - off
+        mm[base + off: base + cap] = data[:first]
+        mm[base: base + len(data) - first] = data[first:]
 
     def _get(self, base: int, cap: int, pos: int, n: int) -> bytes:
         off = pos % cap
@@ -134,6 +139,8 @@ class Ring:
         mm = self._mm
         w = _Q.unpack_from(mm, w_at)[0]
         r = _Q.unpack_from(mm, r_at)[0]
+        if r == w:
+            return []
         out: list[bytes] = []
         while r < w and len(out) < limit:
             (n,) = _L.unpack(self._get(base, cap, r, _L.size))
