@@ -416,7 +416,8 @@ def viewer_main(argv: list[str]) -> int:
                            "max_step": None, "recv_tid": None, "first_live_wall": None, "recv_lag": [],
                            "screen_updates": 0, "screen_s": 0.0, "ansi_s": 0.0, "ansi_bytes": 0,
                            "timer_update_s": 0.0, "timer_updates": 0, "live_draw_wall": None, "t_start": time.time(),
-                           "lock_wait_s": {"ui": 0.0, "receiver": 0.0}, "lock_waits": {"ui": 0, "receiver": 0}}
+                           "lock_wait_s": {"ui": 0.0, "receiver": 0.0}, "lock_waits": {"ui": 0, "receiver": 0},
+                           "plot_rounds": [], "plot_builds": 0}
     breakdown: dict[str, float] = {}
     main_native = threading.get_native_id()
 
@@ -451,8 +452,9 @@ def viewer_main(argv: list[str]) -> int:
         timed_method(HeatTable, "show", "table: HeatTable.show() (rows in, changed lines marked)")
         timed_method(HeatTable, "_row_cells", "table: HeatTable._row_cells (cell pieces, heat strips)")
         timed_method(HeatTable, "render_line", "table: HeatTable.render_line (compositor)")
-        timed_method(SeriesPlot, "show", "plots: SeriesPlot.show() (data in)")
-        timed_method(SeriesPlot, "render_line", "plots: SeriesPlot.render_line (braille build, compositor)")
+        timed_method(SeriesPlot, "show", "plots: SeriesPlot.show() (data in, plotext build when changed)")
+        timed_method(SeriesPlot, "_build", "plots: SeriesPlot._build (plotext build + Text.from_ansi)")
+        timed_method(SeriesPlot, "render_line", "plots: SeriesPlot.render_line (compositor)")
     ts_of: dict[int, float] = {}
     ts_order: collections.deque[int] = collections.deque()
     profiles: dict[str, cProfile.Profile] = {}
@@ -511,6 +513,7 @@ def viewer_main(argv: list[str]) -> int:
             self.inner.run(emit2, cancelled)
 
     import gradwatch.tui.app as app_mod
+    from gradwatch.tui.widgets.plots import SeriesPlot as _Plot
 
     class BenchApp(GradwatchApp):
         CSS_PATH = str(Path(app_mod.__file__).with_name("app.tcss"))  # relative paths resolve next to the subclass
@@ -543,10 +546,16 @@ def viewer_main(argv: list[str]) -> int:
                 rec["draws"].append(d)
                 self._bench_pending.append(d)
 
-        def _draw_plots(self, data: Any) -> None:
+        def _draw_plots(self, data: Any) -> Any:
             p0 = time.perf_counter()
-            super()._draw_plots(data)
+            builds = sum(p.builds for p in self.query(_Plot))
+            cost = super()._draw_plots(data)
             self._bench_plots_s = time.perf_counter() - p0
+            built = sum(p.builds for p in self.query(_Plot)) - builds
+            if built:  # a round that rebuilt at least one plot, and how many plotext builds it made
+                rec["plot_rounds"].append(time.time())
+                rec["plot_builds"] += built
+            return cost
 
         def _display(self, screen: Any, renderable: Any) -> None:
             p0 = time.perf_counter()
@@ -930,6 +939,8 @@ def analyse(rate: float, seconds: float, start: dict[str, Any], end: dict[str, A
                     "late_growth": rss_end - rss_mid, "growth": rss_end - rss_start,
                     "settled": rss_at(samples, t0 + min(5.0, (t1 - t0) / 4)), "late_slope_mib_per_min": slope},
         "draws_per_s": len(in_window) / dur if dur > 0 else math.nan,
+        "plot_redraws_per_s": sum(t0 <= t <= t1 for t in v.get("plot_rounds", [])) / dur if dur > 0 else math.nan,
+        "plot_builds_total": v.get("plot_builds"),
         "screen_updates": v["screen_updates"], "draw_parts": parts,
         "receiver": {"emits": v["emits"], "apply_s_total": v["apply_s"]},
         "ui": {"timer_update_s_total": v["timer_update_s"], "timer_updates": v["timer_updates"],
@@ -971,7 +982,8 @@ def print_details(r: dict[str, Any]) -> None:
     p = r["draw_parts"]
     th = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["thread_cpu_core"].items(), key=lambda kv: -kv[1]))
     ui = r["ui"]
-    print(f"  {int(r['rate'])}/s: draw median {p['total_s']['median_ms']:.1f} ms (p95 {p['total_s']['p95_ms']:.1f}): "
+    print(f"  {int(r['rate'])}/s: plot redraws {r.get('plot_redraws_per_s', math.nan):.2f}/s "
+          f"({r.get('plot_builds_total')} plotext builds in all); draw median {p['total_s']['median_ms']:.1f} ms (p95 {p['total_s']['p95_ms']:.1f}): "
           f"status {p['status_s']['median_ms']:.1f}, plots {p['plots_s']['median_ms']:.1f}, "
           f"table {p['table_s']['median_ms']:.1f}, alerts {p['alerts_s']['median_ms']:.1f} ms; "
           f"screen updates {ui['timer_updates']} taking {ui['timer_update_s_total']:.1f} s in all "

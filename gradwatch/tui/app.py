@@ -33,7 +33,7 @@ from gradwatch.tui.state import Conn, RunState
 from gradwatch.tui.widgets.activations import ActivationPanel
 from gradwatch.tui.widgets.alerts import AlertPane
 from gradwatch.tui.widgets.heat_table import MAX_ROWS, HeatTable
-from gradwatch.tui.widgets.plots import SeriesPlot
+from gradwatch.tui.widgets.plots import SeriesPlot, plot_interval
 from gradwatch.tui.widgets.sparks import SparkHeader
 from gradwatch.tui.widgets.status import StatusBar, status_text
 
@@ -45,8 +45,6 @@ HEAT_WIDTH = 24
 FRAME_BUDGET = 0.12
 #: ...and the UI thread as a whole (frames plus Textual's rendering) about this share of a core.
 UI_CPU_BUDGET = 0.18
-#: Plots are redrawn at most this often (~1 ms a plot since plotext was replaced; the compositor costs more).
-PLOT_INTERVAL_S = 0.5
 #: Below this many (columns, rows) the plots give way to one sparkline each (plotext lost its titles).
 COMPACT_BELOW = (100, 30)
 #: Actions that act on a trainer: hidden for a replay or the synthetic demo.
@@ -130,6 +128,10 @@ class GradwatchApp(PauseActions, App[None]):
         self._next_frame = 0.0
         self._next_plots = 0.0
         self._plots_stale = False
+        self._plots_version = -1  # the model's version the plots last showed
+        self._plot_cost: float | None = None  # seconds one round of plot builds took (smoothed)
+        self.plot_builds = 0  # rounds of plot drawing that rebuilt at least one plot
+        self._last_conn: str | None = None
         self._table_stale = False
         self._alerts_title = ""
         self._cpu_mark: tuple[float, float] | None = None
@@ -226,10 +228,12 @@ class GradwatchApp(PauseActions, App[None]):
     def _refresh_view(self) -> None:
         """One frame. Copies what it needs from the model under the lock, then builds widgets without
         it, so the receiving thread is never held up by drawing. Paced by its own cost: a frame that
-        took ``c`` seconds delays the next one to keep the UI thread under ~``FRAME_BUDGET`` of a core."""
+        took ``c`` seconds (plots aside: they have their own interval) delays the next one to keep the UI
+        thread under ~``FRAME_BUDGET`` of a core."""
         if self.recording is not None:
             self.recording.flush()
         start = time.monotonic()
+        plot_cost = 0.0  # plotext's share of this frame: paced by its own interval, not by FRAME_BUDGET
         with self._lock:  # the connection state ages on every tick, whatever the frame pacing
             changed = self.state.tick(self._clock())
         if start < self._next_frame and not self._view_dirty and not changed:
@@ -244,12 +248,18 @@ class GradwatchApp(PauseActions, App[None]):
                 status = self._status_fields()
                 newly_paused = status["paused"] and not self._was_paused
                 self._was_paused = status["paused"]
+                conn_changed = status["conn"] != self._last_conn  # e.g. FINISHED: the last steps at once
+                self._last_conn = status["conn"]
                 full = not self.frozen or self._view_dirty
                 force = self._view_dirty
                 if full:
-                    plots_due = force or start >= self._next_plots
+                    # a key or resize (force), a pause, the run ending: at once; else at the plot interval
+                    plots_due = force or newly_paused or conn_changed or start >= self._next_plots
                     plots = self._plot_data() if plots_due else None
-                    self._plots_stale = not plots_due  # drawn on a later frame, even if no data comes
+                    if plots_due:
+                        self._plots_version = version
+                    # data the plots do not show yet: drawn on a later frame, even if no more comes
+                    self._plots_stale = self._plots_version != version
                     table = self._table_data()
                     alerts = [a for a in self.state.alerts if a.kind not in self.silenced_kinds
                               and (a.layer is None or a.layer not in self.silenced_layers)]
@@ -276,8 +286,9 @@ class GradwatchApp(PauseActions, App[None]):
                 if plots is not None and self.compact:
                     self.query_one("#sparks", SparkHeader).show(plots, log=self.log_scale)
                 elif plots is not None:
-                    self._draw_plots(plots)
-                    self._next_plots = start + PLOT_INTERVAL_S * max(1.0, (self._cpu_share or 0.0) / UI_CPU_BUDGET)
+                    p0 = time.monotonic()
+                    self._next_plots = start + self._plot_interval(self._draw_plots(plots))
+                    plot_cost = time.monotonic() - p0
                 if table is not None:
                     rows, heats, matched = table
                     self._table_stale = self.query_one("#table", HeatTable).show(
@@ -293,7 +304,7 @@ class GradwatchApp(PauseActions, App[None]):
             if self.errors <= 3:
                 self.notify(f"display error: {type(exc).__name__}: {exc}"[:300], severity="error")
         finally:
-            cost = time.monotonic() - start
+            cost = time.monotonic() - start - plot_cost
             # The UI thread's CPU share since the last frame includes Textual composing the screen,
             # which our own frame cost does not see: stretch the interval when it runs above budget.
             cpu = time.thread_time()
@@ -357,15 +368,26 @@ class GradwatchApp(PauseActions, App[None]):
         wanted = rows[:hi - lo + 2] + rows[lo:hi]  # the first screen (for a re-sort) and what is on screen
         return rows, {r.index: st.heat(r.index, HEAT_WIDTH, module=self.by_module) for r in wanted}, matched
 
-    def _draw_plots(self, data: dict[str, Any]) -> None:
-        log = self.log_scale
-        self.query_one("#plot-loss", SeriesPlot).show(*data["loss"], log=log)
-        self.query_one("#plot-grad", SeriesPlot).show(*data["total"], title=data["grad_title"], log=log)
-        self.query_one("#plot-lr", SeriesPlot).show(*data["lr"], log=log)
-        self.query_one("#plot-update", SeriesPlot).show(*data["max_update"], log=log)
-        if self.focus_step is not None:
-            for plot in self.query(SeriesPlot):
-                plot.mark(self.focus_step)
+    def _draw_plots(self, data: dict[str, Any]) -> float | None:
+        """Each plot whose figure changed is rebuilt by plotext; returns the seconds that took (None: none did)."""
+        t0 = time.thread_time()
+        log, mark = self.log_scale, self.focus_step
+        built = self.query_one("#plot-loss", SeriesPlot).show(*data["loss"], log=log, mark=mark)
+        built |= self.query_one("#plot-grad", SeriesPlot).show(*data["total"], title=data["grad_title"], log=log,
+                                                                mark=mark)
+        built |= self.query_one("#plot-lr", SeriesPlot).show(*data["lr"], log=log, mark=mark)
+        built |= self.query_one("#plot-update", SeriesPlot).show(*data["max_update"], log=log, mark=mark)
+        if not built:
+            return None
+        self.plot_builds += 1
+        return time.thread_time() - t0
+
+    def _plot_interval(self, cost: float | None) -> float:
+        """Seconds until the plots may be rebuilt while live (plots.plot_interval), from plotext's smoothed
+        cost and the UI thread's CPU share."""
+        if cost is not None:
+            self._plot_cost = cost if self._plot_cost is None else 0.7 * self._plot_cost + 0.3 * cost
+        return plot_interval(self._plot_cost, max(1.0, (self._cpu_share or 0.0) / UI_CPU_BUDGET))
 
     def _redraw(self) -> None:
         """View state changed (a key): draw on the next loop turn, not from inside a watcher."""
@@ -391,6 +413,9 @@ class GradwatchApp(PauseActions, App[None]):
 
     def watch_frozen(self) -> None:
         self._redraw()
+
+    def watch_focus_step(self) -> None:
+        self._redraw()  # the chosen alert's marker appears (or goes, on escape) at once
 
     # ------------------------------------------------------------------ actions
 
