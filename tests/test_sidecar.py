@@ -257,3 +257,20 @@ def test_cuda_hand_off_reads_the_buffer_only_after_its_event_and_off_the_trainin
     finally:
         sender.stop(timeout=0.5)
         assert stub.poll() is not None  # stop() does not leave its process behind
+
+
+def test_a_frozen_sidecar_never_blocks_the_trainer_and_is_killed_at_close(runtime: Path) -> None:
+    """SIGSTOP the sidecar: the ring fills and steps are dropped (counted), the loop runs on at full speed,
+    close() gives up on the sidecar after its timeout and kills it: exit within 2 s of the loop's end and
+    nothing of the run's session left."""
+    proc = _start(runtime, "3000")
+    proc.stdout.readline()  # type: ignore[union-attr]  # RUN ...
+    side = _sidecar_of(proc.pid)
+    os.kill(side, signal.SIGSTOP)
+    out, err = proc.communicate(timeout=120)
+    exited = time.time()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    loop_end = float(next(line for line in out.splitlines() if line.startswith("LOOP_END")).split()[1])
+    assert exited - loop_end < 2.0
+    assert not _alive(side)
+    assert _in_session(proc.pid) == []

@@ -40,6 +40,8 @@ ALERT, STATUS = 10, 11
 READY_TIMEOUT_S = 15.0
 #: The trainer polls the sidecar's liveness and sends its own counters this often (at most).
 TICK_S = 0.25
+#: At close, a sidecar that reads nothing from the ring for this long is taken as frozen and killed.
+STOP_ACCEPT_S = 0.3
 
 
 class BindError(RuntimeError):
@@ -132,11 +134,20 @@ class SidecarSender:
             self._send_counters()
             self._stopping = True
             record = pack([STOP, *(final or (None, ""))])
-            while not self._write(record, count=False) and time.monotonic() < end and self._proc.poll() is None:
-                time.sleep(0.005)  # the ring is full: the sidecar is draining it
-            try:
-                self._proc.wait(max(0.05, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            # a live sidecar reads the ring within ms; one that reads nothing for STOP_ACCEPT_S is frozen
+            # (SIGSTOPped, swapped out) and is killed, so the exit stays fast
+            accept_by = min(end, time.monotonic() + STOP_ACCEPT_S)
+            start = self._ring.consumed()
+            accepted = self._write(record, count=False)
+            live = False  # the sidecar read something since the stop began
+            while self._proc.poll() is None and time.monotonic() < end:
+                live = live or self._ring.consumed() != start
+                if not live and time.monotonic() > accept_by:
+                    break  # frozen
+                if not accepted:
+                    accepted = self._write(record, count=False)
+                time.sleep(0.005)
+            if self._proc.poll() is None:  # frozen, or past the timeout
                 self._proc.kill()
                 self._proc.wait(1.0)
         except Exception:  # noqa: BLE001 - stopping must never raise into the trainer

@@ -97,6 +97,10 @@ class Ring:
         mm = self._mm
         return _Q.unpack_from(mm, _FWD_W)[0] - _Q.unpack_from(mm, _FWD_R)[0]
 
+    def consumed(self) -> int:
+        """The reader's position in the forward ring (it grows while the sidecar is reading)."""
+        return _Q.unpack_from(self._mm, _FWD_R)[0]
+
     def close(self) -> None:
         try:
             self._mm.close()
