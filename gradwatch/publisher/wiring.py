@@ -118,7 +118,9 @@ def _start_sidecar(w: Watcher, key: bytes, endpoint: str, frame: int, control: b
     from gradwatch.publisher.ring import Ring
 
     ring_path = Path(transport.endpoint_path(transport.ipc_endpoint(w.run_id, "ring")[0]) or "")
-    est = frame + 64 * len(w._schema.modules) + 8192
+    # 256 records of the largest step: four float32 values per parameter tensor (norms, max-abs, weight
+    # norms, update ratios), activation statistics per module, and the meta; 4-64 MiB
+    est = 16 * len(w._schema.params) + 12 * len(w._schema.modules) + 8192
     ring = Ring.create(ring_path, max(4 << 20, min(64 << 20, 256 * est)))
     diag = w.cfg.diagnose
     config = {
