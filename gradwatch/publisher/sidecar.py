@@ -255,6 +255,9 @@ def main() -> int:
     sender.start()
     try:
         return side.run()
+    except Exception as exc:  # noqa: BLE001 - one line on the trainer's stderr, never a traceback
+        sys.stderr.write(f"gradwatch: the telemetry sidecar stopped: {type(exc).__name__}: {exc}\n")
+        return 1
     finally:
         if auth is not None:
             auth.stop()
