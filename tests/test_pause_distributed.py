@@ -408,11 +408,12 @@ def test_late_viewer_request_is_retried_further_ahead() -> None:
     pc0 = pcs[0]
     pc0.coord._propose("viewer", "test", 0, 1)  # round for step 11: rank 1 is there already -> abort
     deadline = time.monotonic() + 5
-    while pc0.request is None or pc0.request.tries == 0:
+    # the retry is proposed, then logged (by the poller thread): wait for both
+    while pc0.request is None or pc0.request.tries == 0 or not any("skipped" in line for line in logs):
         assert time.monotonic() < deadline, logs
         time.sleep(0.01)
     target = pc0.request.target
-    assert target > 11 and any("skipped" in line for line in logs), logs
+    assert target > 11, logs
     for pc in pcs:  # both pollers have voted commit on the new round before either reaches it
         deadline = time.monotonic() + 5
         while target not in {r.target for r in pc.coord._committed.values()}:

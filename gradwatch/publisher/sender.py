@@ -297,6 +297,9 @@ class Sender(threading.Thread):
         for ev in events:
             alerts += diag.observe_event(Event(run=self.cfg.run, seq=0, ts=step.ts, event=ev.event, step=ev.step,
                                                message=ev.message, data=ev.data))
+        if self.cfg.on_alert is not None:  # pause_on first: the flight record below takes milliseconds
+            for a in alerts:
+                self.cfg.on_alert(a)
         if self._flight is None and self.cfg.flight_steps and any(a.severity == "critical" for a in alerts):
             self._flight = self._write_flight(step.step)
         out = []
@@ -308,8 +311,6 @@ class Sender(threading.Thread):
                 message += f"; the last {self.cfg.flight_steps} steps are in {self._flight}"
             out.append(_EventItem("alert", a.step, message, data))
             self.counters["alerts"] = self.counters.get("alerts", 0) + 1
-            if self.cfg.on_alert is not None:
-                self.cfg.on_alert(a)
         return out
 
     def _write_flight(self, step: int) -> str:
