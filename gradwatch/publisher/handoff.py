@@ -85,7 +85,7 @@ class SidecarSender:
     def __init__(self, proc: subprocess.Popen[bytes], ring: Ring, on_alert: Callable[[Any], None] | None) -> None:
         self._proc = proc
         self._ring = ring
-        self._on_alert = on_alert
+        self.on_alert = on_alert  # pause_on: set by the wiring once the control is up
         self._lock = threading.Lock()  # the training, control and hand-off threads all write
         self._layout: Any = None
         self._layout_id = 0
@@ -230,9 +230,9 @@ class SidecarSender:
             return
         for payload in records:
             rec = unpack(payload)
-            if rec[0] == ALERT and self._on_alert is not None:
+            if rec[0] == ALERT and self.on_alert is not None:
                 _, kind, severity, step, message = rec
-                self._on_alert(SimpleNamespace(kind=kind, severity=severity, step=step, message=message))
+                self.on_alert(SimpleNamespace(kind=kind, severity=severity, step=step, message=message))
             elif rec[0] == STATUS:
                 self._remote = rec[1]
                 self.failed = bool(rec[2])

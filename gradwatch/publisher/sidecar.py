@@ -173,9 +173,10 @@ class Sidecar:
                     final = ("crashed", f"the trainer (pid {self.trainer_pid}) is gone without closing gradwatch "
                                         "(killed: SIGKILL, out of memory, or os._exit)")
                 sender.stop(final=final, timeout=1.5)
-                if self.connection_file is not None:
+                # the run's file is the trainer's while it lives (it notices a dead sidecar and says so itself)
+                if gone is not None and self.connection_file is not None:
                     try:
-                        transport.update_status(self.connection_file, final[0] if gone is None else "crashed")
+                        transport.update_status(self.connection_file, "crashed")
                     except Exception:  # noqa: BLE001
                         pass
                 return 0

@@ -86,7 +86,7 @@ def open_transport(w: Watcher) -> bool:
     schema = w._schema
     on_alert = w._pausectl.on_alert if w._pausectl is not None else None
     if sidecar is not None:
-        sidecar.counters_extra, sidecar._on_alert = w._counters, on_alert
+        sidecar.counters_extra, sidecar.on_alert = w._counters, on_alert
         sidecar.connection_file(w.connection_file)
         w.sender = sidecar
         w.sender.event("started", 0, f"pid {schema.pid} on {schema.host}")
