@@ -607,6 +607,7 @@ def main() -> int:
         args.variants = [v for v in args.variants if v not in GW_VARIANTS]
     if args.cpu_smoke and "preflight_error" not in res:
         install_fake_sync()  # so the sync-reporting code paths run here too (expect A2 'inputs' to FAIL)
+        os.environ["GRADWATCH_RAW"] = "0"  # a CUDA model never takes the CPU raw hand-off: measure as on the GPU
     if not args.skip_a:
         print("part A: host-sync checks ...", flush=True)
         try:

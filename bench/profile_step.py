@@ -78,6 +78,24 @@ def thread_cpu(thread: Any) -> float:
         return float("nan")
 
 
+def _segments_cls() -> Any:
+    """Where the numpy reductions live (FlatBuffer's own methods before they moved to segments.Segments)."""
+    try:
+        from gradwatch.publisher.segments import Segments
+        return Segments
+    except ImportError:
+        from gradwatch.publisher import flat
+        return getattr(flat, "FlatBuffer", None)
+
+
+def _raw_cls() -> Any:
+    try:
+        from gradwatch.publisher.raw import RawHandoff
+        return RawHandoff
+    except ImportError:
+        return None
+
+
 def profile_model(name: str, args: argparse.Namespace) -> None:
     import gradwatch
     import importlib
@@ -147,8 +165,10 @@ def profile_model(name: str, args: argparse.Namespace) -> None:
         timers.wrap(probes.GradProbe, "_foreach_norm", "  of which GradProbe._foreach_norm (all calls)"),
         timers.wrap(probes.GradProbe, "_maxabs_vec", "  of which GradProbe._maxabs_vec (detail, per-tensor aminmax)"),
         timers.wrap(getattr(flat, "FlatBuffer", None), "load", "  of which FlatBuffer.load (lean path: one _foreach_copy_)"),
-        timers.wrap(getattr(flat, "FlatBuffer", None), "norms", "  of which FlatBuffer.norms (lean path: numpy reduceat)"),
-        timers.wrap(getattr(flat, "FlatBuffer", None), "maxabs", "  of which FlatBuffer.maxabs (lean path, detail)"),
+        timers.wrap(_segments_cls(), "norms", "  of which FlatBuffer.norms (lean path: numpy reduceat)"),
+        timers.wrap(_segments_cls(), "maxabs", "  of which FlatBuffer.maxabs (lean path, detail)"),
+        timers.wrap(collect.Collector, "_raw_boundary", "Collector._raw_boundary (raw hand-off, all of it)"),
+        timers.wrap(_raw_cls(), "load", "  of which RawHandoff.load (one _foreach_copy_ into a slot, np.dot)"),
         timers.wrap(getattr(hyper, "RateCache", None), "rates", "RateCache.rates (learning rates, non-detail steps)"),
         timers.wrap(probes.GradProbe, "finish", "GradProbe.finish (torch.cat into one buffer)"),
         timers.wrap(collect, "data_stats", "data_stats(inputs) + data_stats(targets)"),

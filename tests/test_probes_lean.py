@@ -187,8 +187,10 @@ def test_lean_path_decodes_to_the_same_steps_as_the_per_tensor_path(runtime: Pat
         assert lean[7].weight_nonfinite == {2: 1} and math.isnan(lean[7].loss)
 
 
-def test_snapshot_buffer_is_reused_and_the_ratio_stays_exact(runtime: Path) -> None:
-    """Detail steps reuse one snapshot buffer; each update ratio equals ||w_old - w_new|| / ||w_old|| in float64."""
+def test_snapshot_buffer_is_reused_and_the_ratio_stays_exact(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Detail steps reuse one snapshot buffer; each update ratio equals ||w_old - w_new|| / ||w_old|| in float64.
+    (The trainer's own snapshot: without the raw hand-off, which keeps it in the sidecar, test_raw_handoff.py.)"""
+    monkeypatch.setenv("GRADWATCH_RAW", "0")
     model = _mlp(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=1)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from gradwatch.publisher.segments import list_stats
+
 #: CPU batches up to this many values are read as one Python list: in the training loop (cold caches) a
 #: torch or numpy reduction costs 10-15 us of dispatch each, a list and the builtins ~25 us in all for a
 #: 16-value batch against ~55 for torch's pass and ~100 for numpy's (bench/README.md section 4.1).
@@ -88,13 +90,6 @@ def _constants(device: torch.device, numel: float, integer: float) -> torch.Tens
 
 
 def _list_stats(x: torch.Tensor, numel: float, integer: float, sp: float) -> tuple[float, ...] | None:
-    """The cheap pass for a tiny CPU batch, in Python floats (float64, exactly rounded sums around the
-    midpoint); None when a value is non-finite (the masked pass then counts them)."""
-    vals = x.reshape(-1).tolist()
-    if not math.isfinite(sum(vals)):  # NaN and inf propagate through a plain sum (min/max would not)
-        return None
-    lo, hi = min(vals), max(vals)
-    mid = (lo + hi) / 2  # no cancellation when |mean| >> std
-    dm = math.fsum([v - mid for v in vals]) / numel
-    var = 0.0 if lo == hi else max(math.fsum([(v - mid) * (v - mid) for v in vals]) / numel - dm * dm, 0.0)
-    return (numel, 0.0, lo, hi, mid + dm, math.sqrt(var), integer, sp)
+    """The cheap pass for a tiny CPU batch, in Python floats (:func:`~.segments.list_stats`, which the
+    sidecar runs on the raw hand-off's copy); None when a value is non-finite (the masked pass then counts them)."""
+    return list_stats(x.reshape(-1).tolist(), integer, sp)

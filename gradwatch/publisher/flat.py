@@ -15,11 +15,14 @@ keeps its per-tensor path. Never used on the CUDA (branchless) path.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
+
+from gradwatch.publisher.segments import (  # noqa: F401 - re-exported
+    PY_RATIO_MAX, Segments, exact_nonfinite, total_norm, update_ratio,
+)
 
 #: Below this many values the copy into one buffer always pays (measured: bench/README.md section 4.1).
 FLAT_MIN = 1 << 17
@@ -41,86 +44,20 @@ def flat_eligible(params: list[torch.nn.Parameter]) -> bool:
     return sum(p.numel() for p in params) <= flat_limit(len(params))
 
 
-class FlatBuffer:
-    """One float32 buffer with a view per tensor, plus a scratch array for the squares / absolute values."""
+class FlatBuffer(Segments):
+    """One float32 buffer with a view per tensor; the statistics are :class:`~.segments.Segments`'."""
 
-    __slots__ = ("buf", "views", "arr", "starts", "bounds", "_scratch")
+    __slots__ = ("buf", "views")
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         sizes = [p.numel() for p in params]
-        total = sum(sizes)
-        self.buf = torch.empty(total, dtype=torch.float32)
-        self.views: list[torch.Tensor] = []
-        starts: list[int] = []
-        pos = 0
-        for p, n in zip(params, sizes):
-            self.views.append(self.buf[pos:pos + n].view(p.shape))
-            starts.append(pos)
-            pos += n
-        self.arr = self.buf.numpy()  # shares memory with buf
-        self.starts = np.asarray(starts, dtype=np.intp)
-        self.bounds = list(zip(starts, starts[1:] + [total]))
-        self._scratch = np.empty(total, dtype=np.float32)
+        self.buf = torch.empty(sum(sizes), dtype=torch.float32)
+        super().__init__(self.buf.numpy(), sizes)  # shares memory with buf
+        self.views: list[torch.Tensor] = [self.buf[a:b].view(p.shape) for p, (a, b) in zip(params, self.bounds)]
 
     def load(self, tensors: list[Any]) -> None:
         """Copy the tensors in (one dispatch; casts fp16/bf16 exactly, handles strides)."""
         torch._foreach_copy_(self.views, tensors)
-
-    def sumsq(self) -> np.ndarray:
-        """Per-tensor sum of squares, float32 (overflows to inf like a float32 L2 norm does)."""
-        with np.errstate(over="ignore", invalid="ignore"):
-            return np.add.reduceat(np.square(self.arr, out=self._scratch), self.starts)
-
-    def norms(self) -> np.ndarray:
-        return np.sqrt(self.sumsq())
-
-    def maxabs(self) -> np.ndarray:
-        """Per-tensor max |x|: NaN iff the tensor holds a NaN, inf iff an inf (numpy's maximum propagates NaN)."""
-        return np.maximum.reduceat(np.abs(self.arr, out=self._scratch), self.starts)
-
-    def nonfinite(self, idxs: Any) -> dict[int, int]:
-        """Exact count of NaN/inf values in the given tensors (only those with a count > 0)."""
-        out: dict[int, int] = {}
-        for i in idxs:
-            a, b = self.bounds[int(i)]
-            c = int(np.count_nonzero(~np.isfinite(self.arr[a:b])))
-            if c:
-                out[int(i)] = c
-        return out
-
-
-def exact_nonfinite(fb: FlatBuffer, norms: np.ndarray, total: float | None = None) -> dict[int, int]:
-    """Counts for the tensors whose L2 norm is not finite (an overflow of finite values counts 0); the
-    common all-finite case is one builtin call (``total``: the total norm if already known)."""
-    if math.isfinite(total_norm(norms) if total is None else total):
-        return {}
-    return fb.nonfinite(np.flatnonzero(~np.isfinite(norms)))
-
-
-def total_norm(norms: np.ndarray) -> float:
-    """The total L2 norm from the per-tensor float32 norms, in float64 without overflow (``math.hypot``:
-    one builtin call, where numpy's astype + dot cost two cold library calls in the training loop).
-    Not finite iff a norm is not (then inf if one is inf, else NaN)."""
-    return math.hypot(*norms.tolist())
-
-
-#: Up to this many tensors the update ratio is a Python loop: ten numpy calls on 24 values cost more in
-#: the training loop (cold caches) than the loop itself.
-PY_RATIO_MAX = 256
-_TINY = float(np.finfo(np.float32).tiny)
-
-
-def update_ratio(dw: np.ndarray, wn: np.ndarray) -> np.ndarray:
-    """``||dw|| / ||w||`` per tensor on the host: 1 for a weight that was exactly 0 and moved (0 if it did
-    not), NaN where the old weight norm or the update is not finite (the ratio is unknown). Float32 out."""
-    if len(dw) <= PY_RATIO_MAX:
-        out = [math.nan if not (math.isfinite(d) and math.isfinite(w)) else d / max(w, _TINY) if w > 0
-               else float(d > 0) for d, w in zip(dw.tolist(), wn.tolist())]
-        return np.array(out, dtype=np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        tiny = np.float32(_TINY)
-        ratio = np.where(wn > 0, dw / np.maximum(wn, tiny), (dw > 0).astype(np.float32))
-        return np.where(np.isfinite(wn) & np.isfinite(dw), ratio, np.float32(np.nan)).astype(np.float32)
 
 
 class LeanPath:

@@ -33,7 +33,7 @@ import msgpack
 from gradwatch.publisher.ring import Ring
 
 # record kinds, trainer -> sidecar
-WORK, EVENT, COUNTERS, STOP, CONN = 0, 1, 2, 3, 4
+WORK, EVENT, COUNTERS, STOP, CONN, RAW = 0, 1, 2, 3, 4, 5
 # sidecar -> trainer
 ALERT, STATUS = 10, 11
 #: How long watch() waits for the sidecar to bind its socket (a loaded box imports slowly).
@@ -114,6 +114,15 @@ class SidecarSender:
         else:
             self._write_work(work)
         self._tick()
+
+    def submit_raw(self, payload: bytes) -> bool:
+        """One step of the raw hand-off (:mod:`.raw`): True when its record is in the ring, and so its slot
+        the sidecar's until released; False when it was not written (then the slot is still ours)."""
+        if self.dead_reason is not None or self._stopping:
+            return False
+        ok = self._write(payload)
+        self._tick()
+        return ok
 
     def event(self, name: str, step: int, message: str = "", data: dict[str, Any] | None = None) -> None:
         if self.dead_reason is None and not self._stopping:

@@ -54,11 +54,12 @@ class RateCache:
     copies it). Only plain float/int rates are cached; a tensor rate (capturable optimizers) is read by
     :func:`hyper_of` every step, since its value changes on the device behind the same object."""
 
-    __slots__ = ("_key", "_val")
+    __slots__ = ("_key", "_val", "_lrs")
 
     def __init__(self) -> None:
         self._key: list[Any] | None = None
         self._val: list[dict[str, float]] = []
+        self._lrs: list[float] | None = None
 
     def rates(self, groups: list[dict[str, Any]]) -> tuple[list[dict[str, float]], list[tuple[int, str, torch.Tensor]]]:
         key = [g.get("lr") for g in groups]
@@ -67,4 +68,11 @@ class RateCache:
             return self._val, []
         out, tensors = hyper_of(groups, full=False)
         self._key, self._val = (key, out) if plain and not tensors else (None, [])
+        # the same rates as plain floats, when the list is exactly [{"lr": rate}, ...] (the raw record's form)
+        lrs = [g.get("lr") for g in out] if all(len(g) == 1 and "lr" in g for g in out) else None
+        self._lrs = lrs if lrs is not None and all(type(v) is float for v in lrs) else None
         return out, tensors
+
+    def plain_lrs(self) -> list[float] | None:
+        """After :meth:`rates`: the rates as floats in group order, or None when they do not fit that form."""
+        return self._lrs

@@ -48,28 +48,31 @@ class RingError(RuntimeError):
 class Ring:
     """One shared-memory file, two rings. :meth:`create` on the trainer side, :meth:`attach` in the sidecar."""
 
-    def __init__(self, mm: mmap.mmap, fwd_cap: int, back_cap: int) -> None:
+    def __init__(self, mm: mmap.mmap, fwd_cap: int, back_cap: int, extra: int = 0) -> None:
         self._mm = mm
         self.fwd_cap = fwd_cap
         self.back_cap = back_cap
         self._fwd_at = _HEADER
         self._back_at = _HEADER + fwd_cap
+        #: Bytes after the two rings that the file also maps (the raw hand-off's slots, :mod:`.slots`).
+        self.extra = extra
+        self.extra_at = _HEADER + fwd_cap + back_cap
         # what this side last saw of the other side's position: it only ever grows, so a writer re-reads
         # the reader's position only when the space it knew of is not enough (fewer loads per record)
         self._seen_r = {_FWD_R: 0, _BACK_R: 0}
 
     @classmethod
-    def create(cls, path: Path, fwd_cap: int, back_cap: int = 256 * 1024) -> Ring:
-        """A new ring file at ``path`` (0600, never an existing file)."""
-        size = _HEADER + fwd_cap + back_cap
+    def create(cls, path: Path, fwd_cap: int, back_cap: int = 256 * 1024, extra: int = 0) -> Ring:
+        """A new ring file at ``path`` (0600, never an existing file), with ``extra`` bytes after the rings."""
+        size = _HEADER + fwd_cap + back_cap + extra
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        struct.pack_into("<QQQ", mm, 0, MAGIC, fwd_cap, back_cap)
-        return cls(mm, fwd_cap, back_cap)
+        struct.pack_into("<QQQQ", mm, 0, MAGIC, fwd_cap, back_cap, extra)
+        return cls(mm, fwd_cap, back_cap, extra)
 
     @classmethod
     def attach(cls, path: str | Path) -> Ring:
@@ -81,11 +84,16 @@ class Ring:
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        magic, fwd_cap, back_cap = struct.unpack_from("<QQQ", mm, 0)
-        if magic != MAGIC or _HEADER + fwd_cap + back_cap != size:
+        magic, fwd_cap, back_cap, extra = struct.unpack_from("<QQQQ", mm, 0)
+        if magic != MAGIC or _HEADER + fwd_cap + back_cap + extra != size:
             mm.close()
             raise RingError(f"{path} is not a gradwatch ring")
-        return cls(mm, fwd_cap, back_cap)
+        return cls(mm, fwd_cap, back_cap, extra)
+
+    @property
+    def mm(self) -> mmap.mmap:
+        """The whole mapping (the slots live at ``extra_at``)."""
+        return self._mm
 
     # ------------------------------------------------------------------ the two directions
 

@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from gradwatch import protocol, transport
-from gradwatch.publisher.handoff import ALERT, CONN, COUNTERS, EVENT, STATUS, STOP, WORK, pack, unpack
+from gradwatch.publisher.handoff import ALERT, CONN, COUNTERS, EVENT, RAW, STATUS, STOP, WORK, pack, unpack
 from gradwatch.publisher.ring import Ring
+from gradwatch.publisher.slots import W_ONLY, SlotReader, SlotSpec, decode_raw
 from gradwatch.publisher.sender import Sender, SenderConfig
 
 #: The ring is read this often; steps reach the socket within about this plus the sender's drain.
@@ -68,10 +69,15 @@ class Sidecar:
         self.bad_records = 0
         self.stop_deadline: float | None = None
         self.dropped_at_stop = 0
+        slots = cfg.get("slots")
+        self.slots = SlotReader(SlotSpec.from_config(slots), ring.mm, ring.extra_at) if slots else None
 
     # ------------------------------------------------------------------ records from the trainer
 
     def dispatch(self, payload: bytes) -> None:
+        if payload[:1] == b"\xc1":  # slots.MARK: a steady step of the raw hand-off, fixed layout
+            self._raw(*decode_raw(payload), {})
+            return
         rec = unpack(payload)
         kind = rec[0]
         if kind == WORK:
@@ -82,8 +88,13 @@ class Sidecar:
             if layout is None:
                 self.bad_records += 1
                 return
+            if self.slots is not None:  # a raw detail step's update is only settled by the next raw step
+                self.slots.drop_snapshot(values, meta)
             buf = np.frombuffer(raw, dtype=np.float32) if raw is not None else None
             self.sender.submit(HostWork(step, ts, buf, layout, None, meta, values))
+        elif kind == RAW:
+            _, step, ts, slot, seq, meta, values, data, *more = rec
+            self._raw(step, ts, slot, seq, meta, data, values, int(more[0]) if more else 0)
         elif kind == EVENT:
             _, name, step, message, data = rec
             self.sender.event(name, step, message, data)
@@ -94,6 +105,21 @@ class Sidecar:
         elif kind == STOP:
             self.stop_request = (rec[1], rec[2]) if rec[1] else None
             self.stop_deadline = time.monotonic() + STOP_DRAIN_S
+
+    def _raw(self, step: int, ts: float, slot: int, seq: int, meta: dict[str, Any], data: list[Any],
+             values: dict[str, bytes], wflags: int = 0) -> None:
+        """A step of the raw hand-off: reduce its slot (and release it), then send it like any other."""
+        if self.slots is None:
+            self.bad_records += 1
+            return
+        try:
+            self.slots.reduce(slot, seq, data, meta, values, step, wflags)
+        except (ValueError, TypeError, IndexError):
+            self.bad_records += 1
+            return
+        if wflags & W_ONLY:
+            return  # no step of its own: its update ratio goes with the next one
+        self.sender.submit(HostWork(step, ts, None, {}, None, meta, values))
 
     def counters_extra(self) -> dict[str, int]:
         c = dict(self.trainer_counters)

@@ -264,7 +264,8 @@ class Watcher:
             self.sender.event(name, step, message, data)
 
     def _counters(self) -> dict[str, int]:
-        c = {"trainer_errors": self._errors, "steps": self._collector.step, "published": self._collector.published}
+        c = {"trainer_errors": self._errors, "steps": self._collector.step, "published": self._collector.published,
+             "raw_steps": self._collector.raw_steps}
         if self._control is not None:
             c["rejected_cmd"] = sum(self._control.rejected.values())
             c["cmd_rate_limited"] = self._control.rate_limited

@@ -121,13 +121,14 @@ def _start_sidecar(w: Watcher, key: bytes, endpoint: str, frame: int, control: b
     # 256 records of the largest step: four float32 values per parameter tensor (norms, max-abs, weight
     # norms, update ratios), activation statistics per module, and the meta; 4-64 MiB
     est = 16 * len(w._schema.params) + 12 * len(w._schema.modules) + 8192
-    ring = Ring.create(ring_path, max(4 << 20, min(64 << 20, 256 * est)))
+    slots = _slot_spec(w)
+    ring = Ring.create(ring_path, max(4 << 20, min(64 << 20, 256 * est)), extra=slots.nbytes if slots else 0)
     diag = w.cfg.diagnose
     config = {
         "ring": str(ring_path), "run": w.run_id, "key": key, "endpoint": endpoint, "frame": frame,
         "curve": w._auth.share() if w._auth is not None else None, "schema": protocol.pack_body(dataclasses.replace(w._schema, control=control)),
         "history": w.cfg.history, "queue_size": w.cfg.queue_size, "scaler_enabled": _scaler_on(w),
-        "name": w.name, "trainer_pid": os.getpid(),
+        "name": w.name, "trainer_pid": os.getpid(), "slots": slots.to_config() if slots else None,
         "diagnose": None if diag is False else dataclasses.asdict(diag) if dataclasses.is_dataclass(diag) else True,
     }
     try:
@@ -141,7 +142,31 @@ def _start_sidecar(w: Watcher, key: bytes, endpoint: str, frame: int, control: b
         return None, None
     finally:
         ring_path.unlink(missing_ok=True)  # both sides have it mapped; nothing is left behind, even after SIGKILL
-    return handoff.SidecarSender(proc, ring, None), answer["endpoint"]
+    sender = handoff.SidecarSender(proc, ring, None)
+    if slots is not None:
+        _raw_on(w, sender, ring, slots)
+    return sender, answer["endpoint"]
+
+
+def _slot_spec(w: Watcher) -> Any:
+    """The raw hand-off's slots (:mod:`.slots`) for a small CPU model, or None (every step then takes the
+    ordinary path). ``GRADWATCH_RAW=0`` turns it off (benchmarks compare both)."""
+    from gradwatch.publisher.slots import SlotSpec
+
+    probe = w._probe
+    if os.environ.get("GRADWATCH_RAW", "1") == "0" or probe.branchless or not probe._lean.ok:
+        return None
+    return SlotSpec.plan([p.numel() for p in probe.params])
+
+
+def _raw_on(w: Watcher, sender: Any, ring: Any, slots: Any) -> None:
+    from gradwatch.publisher.raw import RawHandoff
+
+    try:
+        w._collector.raw = RawHandoff(w._probe.params, slots, ring.mm, ring.extra_at)
+        w._collector.raw_submit = sender.submit_raw
+    except Exception:  # noqa: BLE001 - without it every step takes the ordinary path
+        w._collector.raw = None
 
 
 def _bind_control(w: Watcher, ctx: Any, stream: str) -> tuple[Any, str | None]:

@@ -1,0 +1,253 @@
+"""The raw hand-off's slots: fixed places in the ring's shared memory where the trainer leaves a step's
+raw gradients (and tiny batches) for the sidecar to reduce. Torch-free: the sidecar's half lives here.
+
+Why (docs/design.md, "The raw hand-off"): on a small CPU model the reductions of a step -- per-tensor norms,
+exact non-finite counts, batch statistics -- cost the training thread more than the copy of the bytes
+they read, because with cold caches every numpy or torch call costs 10-15 us. So the trainer copies the
+gradients once (one ``_foreach_copy_``, as the lean path did into private memory) into a slot, checks the
+one number it must know at the boundary (the total, for the trouble check) and writes a small record; the
+sidecar runs the very same reductions (:mod:`.segments`) on its own core.
+
+Layout after the two rings: ``k`` release counters, one per cache line, then ``k`` slots of
+``floats`` float32 each: gradients (``n`` values, per-tensor ``sizes``), weights (``n`` values, written on
+detail steps and on the step after one, whose difference is the update), then the inputs and targets. The trainer owns a slot from writing it until the sidecar stores the record's
+``seq`` in the slot's counter, after it has read the slot; the trainer takes only slots whose counter
+equals the last seq it wrote there (:class:`SlotTable`), so the two never touch one slot at once and
+nothing waits: no free slot means the step takes the ordinary path.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gradwatch.publisher.ring import _fence
+from gradwatch.publisher.segments import (
+    Segments, exact_nonfinite, list_stats, masked_stats, total_norm, update_ratio,
+)
+
+#: Values per batch tensor the slot carries (the tiny-batch statistics, :data:`.data_stats.PY_MAX`).
+DATA_MAX = 128
+#: The raw hand-off only for models up to this many values (a slot per step is a copy of the gradients).
+RAW_MAX = 1 << 20
+#: Slots: enough to ride out a sidecar busy for a few steps; at most this many bytes of them in all.
+SLOTS_MAX, SLOTS_BYTES = 8, 32 << 20
+_Q = struct.Struct("<Q")
+_LINE = 64
+#: What a record asks of the slot's weights: a detail step's statistics (and gradient max-abs), keeping
+#: them as the snapshot whose difference at the next step is the update, and that difference.
+W_DETAIL, W_SNAP, W_SETTLE = 1, 2, 4
+#: A record that only settles the snapshot (the step itself went the ordinary way): its update ratio is
+#: added to the next step the sidecar sends.
+W_ONLY = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSpec:
+    """What both sides agree on (sent to the sidecar in its config)."""
+
+    k: int
+    sizes: tuple[int, ...]  # values per gradient tensor
+
+    @property
+    def n(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def data_at(self) -> int:
+        """Where the batches start in a slot (in values): after the gradients and the weights."""
+        return 2 * self.n
+
+    @property
+    def floats(self) -> int:
+        """Float32 values per slot, rounded up to a cache line."""
+        return -(-(2 * self.n + 2 * DATA_MAX) // 16) * 16
+
+    @property
+    def nbytes(self) -> int:
+        return self.k * _LINE + self.k * self.floats * 4
+
+    def offset(self, i: int) -> int:
+        """Byte offset of slot ``i`` in the area."""
+        return self.k * _LINE + i * self.floats * 4
+
+    def to_config(self) -> dict[str, Any]:
+        return {"k": self.k, "sizes": list(self.sizes)}
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> SlotSpec:
+        return cls(int(cfg["k"]), tuple(int(n) for n in cfg["sizes"]))
+
+    @classmethod
+    def plan(cls, sizes: list[int]) -> SlotSpec | None:
+        """The slots for a model with these tensor sizes, or None when it is too large for them."""
+        n = sum(sizes)
+        if not sizes or n > RAW_MAX:
+            return None
+        one = (2 * n + 2 * DATA_MAX) * 4 + _LINE
+        return cls(max(2, min(SLOTS_MAX, SLOTS_BYTES // one)), tuple(sizes))
+
+
+class SlotTable:
+    """The trainer's bookkeeping: which slot it may write next (round robin, never one the sidecar reads)."""
+
+    __slots__ = ("spec", "_mm", "_base", "_used", "_next")
+
+    def __init__(self, spec: SlotSpec, mm: Any, base: int) -> None:
+        self.spec = spec
+        self._mm = mm
+        self._base = base
+        self._used = [0] * spec.k  # the last seq written into each slot
+        self._next = 0
+
+    def acquire(self) -> tuple[int, int] | None:
+        """(slot, seq) of a slot the sidecar is done with, or None (all in flight: take the ordinary path)."""
+        i = self._next
+        if _Q.unpack_from(self._mm, self._base + i * _LINE)[0] != self._used[i]:
+            return None
+        _fence()  # the sidecar's reads of the slot happened before its release, our writes come after
+        return i, self._used[i] + 1
+
+    def next_free(self) -> bool:
+        """Whether the slot after the next one is free too (a raw detail step keeps one for its settle)."""
+        i = (self._next + 1) % self.spec.k
+        return _Q.unpack_from(self._mm, self._base + i * _LINE)[0] == self._used[i]
+
+    def commit(self, i: int, seq: int) -> None:
+        """The record naming (slot, seq) is in the ring: the slot is the sidecar's until it releases it."""
+        self._used[i] = seq
+        self._next = (i + 1) % self.spec.k
+
+
+class SlotReader:
+    """The sidecar's half: reduce a slot into the values a step's hand-over carries, then release it. Holds
+    the weight snapshot of the last raw detail step until the next step's record settles (or drops) it."""
+
+    def __init__(self, spec: SlotSpec, mm: Any, base: int) -> None:
+        self.spec = spec
+        self._mm = mm
+        self._base = base
+        whole = np.frombuffer(mm, dtype=np.float32, count=(spec.nbytes - spec.k * _LINE) // 4,
+                              offset=base + spec.k * _LINE)
+        self._slots = [whole[i * spec.floats:(i + 1) * spec.floats] for i in range(spec.k)]
+        sizes = list(spec.sizes)
+        self._grads = [Segments(s, sizes) for s in self._slots]
+        self._weights = [Segments(s[spec.n:], sizes) for s in self._slots]
+        self._snap: np.ndarray | None = None  # the weights of the last raw detail step
+        self._snap_wn: np.ndarray | None = None
+        self._snap_step = -1
+        self._dw: Segments | None = None
+        #: The update ratio of a settle-only record, for the next step sent: (bytes, step of the snapshot).
+        self.pending_ur: tuple[bytes, int] | None = None
+
+    def drop_snapshot(self, values: dict[str, bytes], meta: dict[str, Any]) -> None:
+        """A step that went the ordinary way: the snapshot can no longer be settled; a settle-only
+        record's update ratio goes with this step (unless it carries one of its own)."""
+        self._snap_wn = None
+        ur, self.pending_ur = self.pending_ur, None
+        if ur is not None and "ur_step" not in meta:
+            values["ur"], meta["ur_step"] = ur
+
+    def reduce(self, i: int, seq: int, data: list[Any], meta: dict[str, Any], values: dict[str, bytes],
+               step: int = 0, wflags: int = 0) -> None:
+        """The step's gradient norms and exact non-finite counts into ``values``/``meta``, its batch
+        statistics for each ``data`` entry ``[name, count, integer]``, and what ``wflags`` asks of the
+        weights (the same functions as the trainer's lean path); then the slot goes back."""
+        if not 0 <= i < self.spec.k:
+            raise ValueError(f"slot {i} out of range")
+        try:
+            if wflags & W_ONLY:
+                self._weight_stats(i, meta, values, step, wflags & W_SETTLE)
+                if "ur" in values:
+                    self.pending_ur = (values["ur"], int(meta["ur_step"]))
+                return
+            self.pending_ur = None  # only ever for the step right after it (the ordinary one)
+            seg = self._grads[i]
+            norms = seg.norms()
+            meta["nonfinite"] = exact_nonfinite(seg, norms, total_norm(norms))
+            values["gn"] = norms.astype(np.float32, copy=False).tobytes()
+            self._weight_stats(i, meta, values, step, wflags)
+            pos = self.spec.data_at
+            slot = self._slots[i]
+            for name, count, integer in data:
+                count = int(count)
+                if not 0 < count <= DATA_MAX:
+                    raise ValueError(f"batch of {count} values in a slot")
+                vals = slot[pos:pos + count].tolist()
+                pos += count
+                st = list_stats(vals, float(integer), float("nan")) or masked_stats(vals, float(integer))
+                values[f"data:{name}"] = struct.pack(f"<{len(st)}f", *st)
+        finally:
+            self.release(i, seq)
+
+    def _weight_stats(self, i: int, meta: dict[str, Any], values: dict[str, bytes], step: int, wflags: int) -> None:
+        w = self._weights[i]
+        snap_wn, self._snap_wn = self._snap_wn, None
+        if wflags & W_SETTLE and snap_wn is not None and self._snap is not None:
+            if self._dw is None:
+                self._dw = Segments(np.empty(self.spec.n, dtype=np.float32), list(self.spec.sizes))
+            np.subtract(self._snap, w.arr, out=self._dw.arr)  # w_old - w_new, float32 like the trainer's
+            values["ur"] = update_ratio(self._dw.norms(), snap_wn).tobytes()
+            meta["ur_step"] = self._snap_step
+        if not wflags & W_DETAIL:
+            return
+        values["gmax"] = self._grads[i].maxabs().astype(np.float32, copy=False).tobytes()
+        wn = w.norms()
+        values["wn"] = wn.astype(np.float32, copy=False).tobytes()
+        meta["wnf"] = exact_nonfinite(w, wn)
+        if wflags & W_SNAP:
+            if self._snap is None:
+                self._snap = np.empty(self.spec.n, dtype=np.float32)
+            np.copyto(self._snap, w.arr)
+            self._snap_wn, self._snap_step = wn.copy(), step
+
+    def release(self, i: int, seq: int) -> None:
+        _fence()  # every read of the slot before the release the trainer sees
+        _Q.pack_into(self._mm, self._base + i * _LINE, seq)
+
+
+# ---------------------------------------------------------------------- the fixed-layout record
+
+#: First byte of a fixed-layout raw record: 0xC1 is never used by msgpack, so the sidecar tells the two
+#: kinds of record apart by it (everything else in the ring is msgpack).
+MARK = 0xC1
+_HEAD = struct.Struct("<BBHIqdQdII")  # mark, flags, groups, slot, step, ts, seq, loss, inputs, targets
+_LOSS, _IN, _TGT, _IN_INT, _TGT_INT = 1, 2, 4, 8, 16
+
+
+def encode_raw(slot: int, seq: int, step: int, ts: float, loss: float | None, lrs: list[float],
+               data: list[list[Any]]) -> bytes:
+    """A steady raw step in ~1 us: a fixed header, the learning rates as doubles (one per group)."""
+    flags, n_in, n_t = (_LOSS if loss is not None else 0), 0, 0
+    for name, count, integer in data:
+        if name == "inputs":
+            flags |= _IN | (_IN_INT if integer else 0)
+            n_in = count
+        else:
+            flags |= _TGT | (_TGT_INT if integer else 0)
+            n_t = count
+    head = _HEAD.pack(MARK, flags, len(lrs), slot, step, ts, seq, 0.0 if loss is None else loss, n_in, n_t)
+    return head + struct.pack(f"<{len(lrs)}d", *lrs) if lrs else head
+
+
+def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], list[list[Any]]]:
+    """(step, ts, slot, seq, meta, data) of :func:`encode_raw`'s record; ValueError when malformed."""
+    try:
+        _, flags, groups, slot, step, ts, seq, loss, n_in, n_t = _HEAD.unpack_from(payload, 0)
+        lrs = struct.unpack_from(f"<{groups}d", payload, _HEAD.size) if groups else ()
+    except struct.error as exc:
+        raise ValueError(f"malformed raw record: {exc}") from None
+    meta: dict[str, Any] = {}
+    if flags & _LOSS:
+        meta["loss"] = loss
+    if groups:
+        meta["opt"] = [{"lr": v} for v in lrs]
+    data: list[list[Any]] = []
+    if flags & _IN:
+        data.append(["inputs", n_in, 1 if flags & _IN_INT else 0])
+    if flags & _TGT:
+        data.append(["targets", n_t, 1 if flags & _TGT_INT else 0])
+    return step, ts, slot, seq, meta, data

@@ -1,0 +1,249 @@
+"""The raw hand-off (issue 13): steady steps of a small CPU model leave their gradients and tiny batches in
+a shared-memory slot and the sidecar reduces them (gradwatch/publisher/raw.py, slots.py). The viewer must
+see the same Steps as through the ordinary path, slots must come back, and a stalled sidecar must cost
+the trainer nothing but the fallback."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import struct
+import time
+from pathlib import Path
+
+import mmap
+import numpy as np
+import pytest
+import torch
+
+import gradwatch
+from gradwatch.protocol import Step
+from gradwatch.publisher.slots import DATA_MAX, SlotReader, SlotSpec, SlotTable, decode_raw, encode_raw
+
+torch.set_num_threads(1)
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 3))
+
+
+def _convnet(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(8 * 6 * 6, 3))
+
+
+def _batch(kind: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "mlp":  # tiny batches: both travel raw; integer class targets
+        return torch.randn(12, 5, generator=g), torch.randint(0, 3, (12,), generator=g)
+    # 768 input values: the trainer computes their statistics itself, inside the raw step
+    return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def _run(kind: str, seed: int, raw: bool, steps: int, poison: bool, monkeypatch: pytest.MonkeyPatch,
+         lr_schedule: bool = False) -> tuple[dict[int, Step], int]:
+    """Train ``steps`` steps with the raw hand-off on or off: every Step as the viewer decodes it, and how
+    many steps took the raw path."""
+    monkeypatch.setenv("GRADWATCH_RAW", "1" if raw else "0")
+    model = (_mlp if kind == "mlp" else _convnet)(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5) if lr_schedule else None
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=4)
+    assert (gw._collector.raw is not None) is raw  # noqa: SLF001
+    client = gradwatch.connect(gw.run_id)
+    g = torch.Generator().manual_seed(seed)
+    params = list(model.parameters())
+    for k in range(steps):
+        x, y = _batch(kind, g)
+        if poison and k == 9:  # a weight poisoned between two steps: a NaN loss, the exact scan counts it
+            with torch.no_grad():
+                params[2].view(-1)[3] = math.nan
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if poison and k == 6:
+            params[0].grad[0].fill_(math.nan)
+            params[1].grad[0] = math.inf
+        gw.step(loss, inputs=x, targets=y)
+        time.sleep(0.03)  # the sidecar reads the ring every 10 ms: its slots are back, the counts below are exact
+        if not (poison and k == 6):
+            opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    out: dict[int, Step] = {}
+    for msg in client.records(timeout=10):
+        if isinstance(msg, Step):
+            out[msg.step] = msg
+            if len(out) == steps:
+                break
+    n_raw = gw._collector.raw_steps  # noqa: SLF001
+    gw.close()
+    client.close()
+    return out, n_raw
+
+
+def _arr(b: object) -> list[float] | None:
+    return None if b is None else list(b)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(("kind", "seed", "poison", "sched"),
+                         [("mlp", 0, False, False), ("mlp", 1, True, True), ("conv", 2, False, True), ("conv", 0, True, False)])
+def test_raw_steps_decode_to_the_same_steps_as_the_ordinary_path(runtime: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  kind: str, seed: int, poison: bool, sched: bool) -> None:
+    steps = 14
+    (got, n_raw), (ref, n_ref) = (_run(kind, seed, r, steps, poison, monkeypatch, sched) for r in (True, False))
+    assert sorted(got) == sorted(ref) == list(range(steps))
+    assert n_ref == 0
+    # every step is raw (detail steps 0, 1, 2, 4, 8, 12 with their weights) but trouble steps,
+    # except that the non-finite gradients of step 6 arm the activation statistics for the next ten steps
+    assert n_raw == (6 if poison else 14), n_raw
+    for k in range(steps):
+        a, b = got[k], ref[k]
+        for field in ("grad_norm", "grad_max", "weight_norm", "update_ratio"):
+            va, vb = _arr(getattr(a, field)), _arr(getattr(b, field))
+            assert (va is None) == (vb is None), (k, field)
+            if va is not None:
+                assert va == pytest.approx(vb, rel=1e-6, abs=1e-12, nan_ok=True), (k, field)
+        assert a.total == pytest.approx(b.total, rel=1e-6, nan_ok=True)
+        assert (a.nonfinite, a.weight_nonfinite, a.nograd, a.update_step, a.clip_step) == \
+               (b.nonfinite, b.weight_nonfinite, b.nograd, b.update_step, b.clip_step), k
+        assert (a.clip_total is None) == (b.clip_total is None), k
+        if a.clip_total is not None:
+            assert a.clip_total == pytest.approx(b.clip_total, rel=1e-6, nan_ok=True), k
+        assert a.opt == b.opt and a.loss == pytest.approx(b.loss, nan_ok=True), k
+        for name in ("inputs", "targets"):
+            assert a.data[name] == b.data[name], (k, name)  # the same function on the same float32 values
+    assert got[3].data["targets"].integer and got[3].update_step == 2  # a raw step carrying an update ratio
+    if poison:
+        assert got[6].nonfinite == ref[6].nonfinite and got[6].nonfinite[1] == 1
+        assert got[9].weight_nonfinite == {2: 1} and math.isnan(got[9].loss)
+
+
+def test_a_stalled_sidecar_holds_its_slots_and_the_trainer_takes_the_ordinary_path(runtime: Path) -> None:
+    model = _mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
+    raw = gw._collector.raw  # noqa: SLF001
+    assert raw is not None
+    client = gradwatch.connect(gw.run_id)
+    g = torch.Generator().manual_seed(0)
+
+    def train(n: int) -> None:
+        for _ in range(n):
+            x, y = _batch("mlp", g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            gw.step(inputs=x, targets=y)
+            opt.step()
+            opt.zero_grad()
+
+    train(10)
+    time.sleep(0.3)  # the sidecar has read and released every slot so far
+    pid = gw.sender.pid  # type: ignore[union-attr]
+    before = gw._collector.raw_steps  # noqa: SLF001
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        train(3 * raw.spec.k)
+        elapsed = time.perf_counter() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    stalled = gw._collector.raw_steps - before  # noqa: SLF001
+    assert stalled <= raw.spec.k  # no slot is written twice while the sidecar holds it
+    assert elapsed < 5.0  # nothing waited for the stopped sidecar
+    time.sleep(0.3)
+    before = gw._collector.raw_steps  # noqa: SLF001
+    train(10)
+    assert gw._collector.raw_steps - before >= 5  # the slots came back  # noqa: SLF001
+    seen: set[int] = set()
+    want = 20 + 3 * raw.spec.k
+    for msg in client.records(timeout=10):
+        if isinstance(msg, Step):
+            seen.add(msg.step)
+            assert msg.grad_norm is not None and len(msg.grad_norm) == 6 and msg.data["inputs"].numel == 60
+            if len(seen) == want:
+                break
+    assert seen == set(range(want))  # every step arrived, raw or not
+    gw.close()
+    client.close()
+
+
+def test_slot_table_never_hands_out_a_slot_in_flight() -> None:
+    spec = SlotSpec(2, (3, 4))
+    mm = mmap.mmap(-1, spec.nbytes)
+    table, reader = SlotTable(spec, mm, 0), SlotReader(spec, mm, 0)
+    a = table.acquire()
+    assert a == (0, 1)
+    table.commit(*a)
+    b = table.acquire()
+    assert b == (1, 1)
+    table.commit(*b)
+    assert table.acquire() is None  # slot 0 is still the reader's
+    view = np.frombuffer(mm, dtype=np.float32, count=spec.floats, offset=spec.offset(0))
+    view[:7] = [3, 4, 0, 0, 0, 0, 0]  # gradients; then 7 values of weights, then the batches
+    view[spec.data_at:spec.data_at + 2] = [1.0, 2.0]
+    meta: dict[str, object] = {}
+    values: dict[str, bytes] = {}
+    reader.reduce(0, 1, [["inputs", 2, 0]], meta, values)
+    assert np.frombuffer(values["gn"], dtype=np.float32).tolist() == [5.0, 0.0] and meta["nonfinite"] == {}
+    assert struct.unpack("<8f", values["data:inputs"])[:6] == (2.0, 0.0, 1.0, 2.0, 1.5, 0.5)
+    assert table.acquire() == (0, 2)  # released
+
+
+def test_malformed_raw_records_are_refused_and_the_slot_is_not_touched() -> None:
+    spec = SlotSpec(2, (3,))
+    mm = mmap.mmap(-1, spec.nbytes)
+    reader = SlotReader(spec, mm, 0)
+    with pytest.raises(ValueError):
+        reader.reduce(5, 1, [], {}, {})  # no such slot: nothing written outside the area
+    with pytest.raises(ValueError):
+        reader.reduce(0, 1, [["inputs", DATA_MAX + 1, 0]], {}, {})
+    rec = encode_raw(1, 7, 42, 1.5, 0.25, [1e-3, 2e-3], [["inputs", 10, 0], ["targets", 10, 1]])
+    assert decode_raw(rec) == (42, 1.5, 1, 7, {"loss": 0.25, "opt": [{"lr": 1e-3}, {"lr": 2e-3}]},
+                               [["inputs", 10, 0], ["targets", 10, 1]])
+    assert decode_raw(encode_raw(0, 1, 3, 0.0, None, [], []))[4] == {}
+    for bad in (rec[:10], rec[:-4], b"\xc1"):
+        with pytest.raises(ValueError):
+            decode_raw(bad)
+
+
+def test_update_ratios_of_raw_detail_steps_are_exact_and_survive_an_ordinary_next_step(runtime: Path) -> None:
+    """Every step a detail step (detail_every=1): the weights travel raw and the sidecar keeps the snapshot;
+    each ratio equals ||w_old - w_new|| / ||w_old|| in float64, also when the next step goes the ordinary
+    way (a trouble step: a settle-only record carries the weights)."""
+    model = _mlp(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=1)
+    client = gradwatch.connect(gw.run_id)
+    g = torch.Generator().manual_seed(1)
+    before, after = [], []
+    for k in range(8):
+        x, y = _batch("mlp", g)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if k == 4:
+            loss = loss * 1e6  # a gradient 1e6x its level: a trouble step, measured the ordinary way
+        loss.backward()
+        gw.step(loss)
+        time.sleep(0.03)
+        before.append([p.detach().double().clone() for p in model.parameters()])
+        if k != 4:
+            opt.step()
+        after.append([p.detach().double().clone() for p in model.parameters()])
+        opt.zero_grad()
+    n_raw = gw._collector.raw_steps  # noqa: SLF001
+    steps = {}
+    for msg in client.records(timeout=10):
+        if isinstance(msg, Step):
+            steps[msg.step] = msg
+            if len(steps) == 8:
+                break
+    gw.close()
+    client.close()
+    assert n_raw == 7  # all but the trouble step
+    for k in range(1, 8):
+        want = [float((a - b).norm() / a.norm()) for a, b in zip(before[k - 1], after[k - 1])]
+        assert steps[k].update_step == k - 1, k
+        assert list(steps[k].update_ratio) == pytest.approx(want, rel=1e-4, abs=1e-12), k
+    assert list(steps[5].update_ratio) == [0.0] * 6  # the skipped update of the trouble step
