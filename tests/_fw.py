@@ -29,6 +29,17 @@ def collect(client: Any, want: int, seconds: float = 10.0, settle: float = 0.5) 
     return steps, events
 
 
+def steps_of(client: Any, want: int, timeout: float = 10.0) -> dict[int, Step]:
+    """The first ``want`` Steps a client receives, by step number (records() ends at ``timeout`` of silence)."""
+    out: dict[int, Step] = {}
+    for msg in client.records(timeout=timeout):
+        if isinstance(msg, Step):
+            out[msg.step] = msg
+            if len(out) >= want:
+                break
+    return out
+
+
 def grad_norms(module: torch.nn.Module, divide: float = 1.0) -> list[float]:
     """Per-parameter gradient norms in float64, in ``named_parameters`` order (what gradwatch publishes)."""
     return [float(p.grad.detach().double().norm()) / divide if p.grad is not None else 0.0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gradwatch
+from _fw import steps_of
 from gradwatch.protocol import Step
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import FLAT_MAX, FlatBuffer, flat_eligible, update_ratio
@@ -145,12 +146,7 @@ def _decoded(kind: str, seed: int, lean: bool, steps: int, poison: bool) -> dict
         if not (poison and k == 5):
             opt.step()
         opt.zero_grad()
-    out: dict[int, Step] = {}
-    for msg in client.records(timeout=10):
-        if isinstance(msg, Step):
-            out[msg.step] = msg
-            if len(out) == steps:
-                break
+    out = steps_of(client, steps)
     gw.close()
     client.close()
     return out
@@ -208,12 +204,7 @@ def test_snapshot_buffer_is_reused_and_the_ratio_stays_exact(runtime: Path, monk
         if len(before) == 2:
             buf = gw._probe._lean.fw.buf  # noqa: SLF001
     assert gw._probe._lean.fw.buf is buf  # noqa: SLF001 - allocated once
-    steps = {}
-    for msg in client.records(timeout=10):
-        if isinstance(msg, Step):
-            steps[msg.step] = msg
-            if len(steps) == 6:
-                break
+    steps = steps_of(client, 6)
     gw.close()
     client.close()
     for k in range(1, 6):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import gradwatch
-from gradwatch.protocol import Step
+from _fw import steps_of
 from gradwatch.publisher.trouble import TroubleCheck, is_detail
 
 torch.set_num_threads(1)
@@ -33,12 +33,7 @@ def _run(model: torch.nn.Module, steps: int, *, before=None, batch=None, loss_fn
         gw.step(loss, inputs=x, targets=y)
         opt.step()
         opt.zero_grad()
-    out: dict[int, Step] = {}
-    for msg in client.records(timeout=10):
-        if isinstance(msg, Step):
-            out[msg.step] = msg
-            if len(out) == steps:
-                break
+    out = steps_of(client, steps)
     gw.close()
     client.close()
     return out
@@ -124,12 +119,7 @@ def test_cuda_path_checks_every_weight_on_every_step(runtime: Path) -> None:
         gw.step()
         opt.step()
         opt.zero_grad()
-    steps = {}
-    for msg in client.records(timeout=10):
-        if isinstance(msg, Step):
-            steps[msg.step] = msg
-            if len(steps) == 8:
-                break
+    steps = steps_of(client, 8)
     gw.close()
     client.close()
     assert all(steps[k].weight_nonfinite == {} for k in range(6))

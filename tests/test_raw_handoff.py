@@ -6,18 +6,19 @@ the trainer nothing but the fallback."""
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import signal
 import struct
 import time
 from pathlib import Path
 
-import mmap
 import numpy as np
 import pytest
 import torch
 
 import gradwatch
+from _fw import steps_of
 from gradwatch.protocol import Step
 from gradwatch.publisher.slots import DATA_MAX, SlotReader, SlotSpec, SlotTable, decode_raw, encode_raw
 
@@ -73,12 +74,7 @@ def _run(kind: str, seed: int, raw: bool, steps: int, poison: bool, monkeypatch:
         opt.zero_grad()
         if sched is not None:
             sched.step()
-    out: dict[int, Step] = {}
-    for msg in client.records(timeout=10):
-        if isinstance(msg, Step):
-            out[msg.step] = msg
-            if len(out) == steps:
-                break
+    out = steps_of(client, steps)
     n_raw = gw._collector.raw_steps  # noqa: SLF001
     gw.close()
     client.close()
@@ -233,12 +229,7 @@ def test_update_ratios_of_raw_detail_steps_are_exact_and_survive_an_ordinary_nex
         after.append([p.detach().double().clone() for p in model.parameters()])
         opt.zero_grad()
     n_raw = gw._collector.raw_steps  # noqa: SLF001
-    steps = {}
-    for msg in client.records(timeout=10):
-        if isinstance(msg, Step):
-            steps[msg.step] = msg
-            if len(steps) == 8:
-                break
+    steps = steps_of(client, 8)
     gw.close()
     client.close()
     assert n_raw == 7  # all but the trouble step
@@ -247,3 +238,27 @@ def test_update_ratios_of_raw_detail_steps_are_exact_and_survive_an_ordinary_nex
         assert steps[k].update_step == k - 1, k
         assert list(steps[k].update_ratio) == pytest.approx(want, rel=1e-4, abs=1e-12), k
     assert list(steps[5].update_ratio) == [0.0] * 6  # the skipped update of the trouble step
+
+
+def test_a_killed_sidecar_is_noticed_on_raw_steps_too(runtime: Path, recwarn: pytest.WarningsRecorder) -> None:
+    """Every step raw (detail_every=1, steady batches): the sidecar's death still switches gradwatch off
+    with one warning, and training goes on."""
+    model = _mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=1)
+    g = torch.Generator().manual_seed(0)
+    for k in range(40):
+        if k == 10:
+            os.kill(gw.sender.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            time.sleep(0.5)
+        x, y = _batch("mlp", g)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        gw.step(inputs=x, targets=y)
+        time.sleep(0.01)
+        opt.step()
+        opt.zero_grad()
+    assert gw._collector.raw_steps >= 10  # noqa: SLF001 - the steps before the kill went raw
+    assert gw.disabled_reason is not None and "exited with code -9" in gw.disabled_reason
+    said = [w for w in recwarn if "exited with code -9" in str(w.message)]
+    assert len(said) == 1
+    gw.close()

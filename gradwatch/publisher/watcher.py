@@ -255,6 +255,15 @@ class Watcher:
         if dead is not None:
             self._disable(dead)
 
+    def _submit_raw(self, payload: bytes) -> bool:
+        """A raw hand-off step (:mod:`.raw`): True when it is in the ring; a dead sidecar switches us off."""
+        sender = self.sender
+        ok = bool(sender is not None and sender.submit_raw(payload))
+        dead = getattr(sender, "dead_reason", None)
+        if dead is not None:
+            self._disable(dead)
+        return ok
+
     def _measure_clip(self) -> None:
         if self._collector.clip_due is not None:
             self._guarded(self._collector.measure_clip)

@@ -144,7 +144,7 @@ def _start_sidecar(w: Watcher, key: bytes, endpoint: str, frame: int, control: b
         ring_path.unlink(missing_ok=True)  # both sides have it mapped; nothing is left behind, even after SIGKILL
     sender = handoff.SidecarSender(proc, ring, None)
     if slots is not None:
-        _raw_on(w, sender, ring, slots)
+        _raw_on(w, ring, slots)
     return sender, answer["endpoint"]
 
 
@@ -159,12 +159,12 @@ def _slot_spec(w: Watcher) -> Any:
     return SlotSpec.plan([p.numel() for p in probe.params])
 
 
-def _raw_on(w: Watcher, sender: Any, ring: Any, slots: Any) -> None:
+def _raw_on(w: Watcher, ring: Any, slots: Any) -> None:
     from gradwatch.publisher.raw import RawHandoff
 
     try:
         w._collector.raw = RawHandoff(w._probe.params, slots, ring.mm, ring.extra_at)
-        w._collector.raw_submit = sender.submit_raw
+        w._collector.raw_submit = w._submit_raw
     except Exception:  # noqa: BLE001 - without it every step takes the ordinary path
         w._collector.raw = None
 
