@@ -16,12 +16,9 @@ from typing import Any, Callable
 import torch
 
 from gradwatch.publisher.act_plan import ActivationPlan
-from gradwatch.publisher.flat import _EXACT
-from gradwatch.publisher.handoff import RAW, pack
-from gradwatch.publisher.raw import _GRAD, integer_flag
-from gradwatch.publisher.slots import W_DETAIL, W_ONLY, W_SETTLE, W_SNAP, encode_raw
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.probes import GradProbe, Parts, RateCache, hyper_of, scalar_part
+from gradwatch.publisher.raw import raw_boundary, settle_only
 from gradwatch.publisher.trouble import AUTO_ARM_STEPS, TroubleCheck, is_detail
 
 
@@ -108,11 +105,11 @@ class Collector:
         self.published += 1
         settle, self._raw_snap = self._raw_snap, False  # a raw detail step's snapshot: settled at this step
         if self.raw is not None and (not detail or self.every == 1) and \
-                self._raw_boundary(step, loss, inputs, targets, detail, settle, explicit):
+                raw_boundary(self, step, loss, inputs, targets, detail, settle, explicit):
             self.acts.plan(step + 1)
             return
         if settle:
-            self._raw_settle_only(step)
+            settle_only(self, step)
         host = not probe.branchless
         parts = Parts(host)
         meta: dict[str, Any] = {}
@@ -178,116 +175,6 @@ class Collector:
             self.user = {}
         self.submit(probe.finish(parts, step, time.time(), meta))
         self.acts.plan(step + 1)
-
-    def _raw_boundary(self, step: int, loss: Any, inputs: Any, targets: Any, detail: bool = False,  # noqa: C901
-                      settle: bool = False, explicit: bool = False) -> bool:
-        """A step through the raw hand-off; False (nothing consumed) when this step needs the ordinary
-        path: anything beyond loss, gradients, weights, batches and hyper-parameters, or a trouble step.
-        ``detail``: the weights travel too (and stay in the sidecar as the update's snapshot); ``settle``:
-        the sidecar holds the last step's snapshot, so the weights travel for its difference.
-        Every line here runs with caches cold from backward (each call 1-15 us): keep them few."""
-        raw = self.raw
-        if (self.scaler is not None or self.user or self._missed or self._missed_dev or self.bw_hooks
-                or self.acts.probe.attached or self.probe.branchless or not self.probe._lean.ok):
-            return False
-        got = raw.table.acquire()
-        if got is None or (detail and self.probe.update_ratio and not raw.table.next_free()):
-            return False  # a detail step keeps the next slot free for its settle
-        loss_f: float | None = None
-        if isinstance(loss, torch.Tensor):
-            if loss.device.type != "cpu":
-                return False
-            loss_f = loss.item() if loss.numel() == 1 else loss.detach().float().mean().item()  # as scalar_part
-        elif loss is not None:
-            loss_f = float(loss)
-        lrs: list[Any] = []
-        hyper: Any = None
-        if self.optimizer is not None:
-            if detail:
-                hyper, tensors = hyper_of(self.optimizer.param_groups, full=True)
-                lrs = None
-            else:
-                hyper, tensors = self._rates.rates(self.optimizer.param_groups)
-                lrs = self._rates.plain_lrs()
-            if tensors:
-                return False
-        grads: list[Any] = list(map(_GRAD, self.probe.params))
-        if any(g is None for g in grads) or grads[0].dtype not in _EXACT or grads[-1].dtype not in _EXACT:
-            return False
-        parts: Parts | None = None
-        batches: list[Any] = []
-        data: list[list[Any]] = []
-        data_bad = False
-        for name, t in (("inputs", inputs), ("targets", targets)):
-            if t is None:
-                continue
-            if raw.batch(t):
-                batches.append(t)
-                data.append([name, t.numel(), integer_flag(t)])
-                continue
-            st = data_stats(t, exact_on_host=True)
-            if st is not None:
-                data_bad = data_bad or (isinstance(st, tuple) and st[1] > 0)
-                parts = parts or Parts(True)
-                parts.add(f"data:{name}", st)
-        slot, seq = got
-        grad_mode = torch.is_grad_enabled()
-        if grad_mode:  # the copy must not be recorded (create_graph gradients, batches that require grad)
-            torch._C._set_grad_enabled(False)
-        weights = detail or settle
-        try:
-            sq, finite = raw.load(slot, grads, batches, weights)
-        except Exception:  # noqa: BLE001 - e.g. sparse gradients: the ordinary path, for good
-            self.raw = None
-            return False
-        finally:
-            if grad_mode:
-                torch._C._set_grad_enabled(True)
-        total = math.sqrt(sq) if sq >= 0 else math.nan
-        if self._trouble.check(loss_f, total, data_bad or not finite):
-            return False  # the ordinary path measures it exactly (check() moves no state on a trouble step)
-        self._nf_episode = False
-        ts = time.time()
-        wflags = (W_DETAIL | (W_SNAP if self.probe.update_ratio else 0) if detail else 0) | (W_SETTLE if settle else 0)
-        if parts is None and lrs is not None and not wflags and self.probe._pending_ur is None and self._clip is None:
-            payload = encode_raw(slot, seq, step, ts, loss_f, lrs, data)  # the common case: a fixed layout
-        else:
-            parts = parts or Parts(True)
-            meta: dict[str, Any] = {}
-            if loss_f is not None:
-                meta["loss"] = loss_f
-            if hyper is not None:
-                meta["opt"] = hyper
-            self.probe.updates(parts, meta)
-            if self._clip is not None:
-                parts.add("clip", self._clip[1])
-                meta["clip_step"] = self._clip[0]
-                self._clip = None
-            payload = pack([RAW, step, ts, slot, seq, meta, parts.values, data, wflags])
-        if detail and explicit and self.measure_clips and self.optimizer is not None:
-            self.clip_due = step
-        if self.raw_submit is not None and self.raw_submit(payload):
-            raw.table.commit(slot, seq)
-            self._raw_snap = bool(wflags & W_SNAP)
-        self.raw_steps += 1
-        return True
-
-    def _raw_settle_only(self, step: int) -> None:
-        """This step goes the ordinary way, but the sidecar holds the last step's weight snapshot: send the
-        weights alone (the slot was kept free for this), so its update ratio is not lost."""
-        raw = self.raw
-        got = raw.table.acquire() if raw is not None and self.raw_submit is not None else None
-        if got is None:
-            return
-        slot, seq = got
-        try:
-            with torch.no_grad():
-                raw.load_weights(slot)
-        except Exception:  # noqa: BLE001
-            self.raw = None
-            return
-        if self.raw_submit(pack([RAW, step, time.time(), slot, seq, {}, {}, [], W_SETTLE | W_ONLY])):
-            raw.table.commit(slot, seq)
 
     def _scan(self, meta: dict[str, Any], total: float | None, batch: dict[str, Any], inputs: Any,
               targets: Any) -> None:

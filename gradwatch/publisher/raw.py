@@ -4,21 +4,33 @@ At a boundary that needs nothing but the everyday statistics, the training threa
 and the tiny batches into a free slot of the shared memory with one ``torch._foreach_copy_``, computes the
 one value it must know now -- the total gradient norm (squared, one ``np.dot``) and whether the batch is
 finite, for the trouble check -- and leaves the per-tensor norms, exact counts and batch statistics to the
-sidecar, which runs the same functions as the lean path (:mod:`.segments`). Anything out of the ordinary
-(a detail or trouble step, AMP, activations, user scalars, a tensor learning rate, no free slot) takes the
-ordinary path, so the published Step is the same either way (tests/test_raw_handoff.py).
+sidecar, which runs the same functions as the lean path (:mod:`.segments`). Detail steps add the weights
+to the copy (the sidecar keeps them as the update's snapshot). Anything out of the ordinary (a trouble
+step, AMP, activations, user scalars, a tensor learning rate, no free slot) takes the ordinary path, so
+the published Step is the same either way (tests/test_raw_handoff.py; docs/design.md, "The raw hand-off").
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from gradwatch.publisher.slots import _LINE, DATA_MAX, SlotSpec, SlotTable
+from gradwatch.publisher.data_stats import data_stats
+from gradwatch.publisher.flat import _EXACT
+from gradwatch.publisher.handoff import RAW, pack
+from gradwatch.publisher.hyper import hyper_of
+from gradwatch.publisher.parts import Parts
+from gradwatch.publisher.slots import (
+    _LINE, DATA_MAX, W_DETAIL, W_ONLY, W_SETTLE, W_SNAP, SlotSpec, SlotTable, encode_raw,
+)
+
+if TYPE_CHECKING:
+    from gradwatch.publisher.collect import Collector
 
 _GRAD = operator.attrgetter("grad")
 _DATA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -89,3 +101,115 @@ class RawHandoff:
 
 def integer_flag(t: torch.Tensor) -> int:
     return 1 if t.dtype in _INTEGER else 0
+
+
+def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any, detail: bool = False,  # noqa: C901
+                 settle: bool = False, explicit: bool = False) -> bool:
+    """One boundary of ``col`` (the :class:`~.collect.Collector`, whose state this reads and moves as its
+    own methods would) through the raw hand-off; False (nothing consumed) when this step needs the
+    ordinary path: anything beyond loss, gradients, weights, batches and hyper-parameters, or trouble.
+    ``detail``: the weights travel too (and stay in the sidecar as the update's snapshot); ``settle``:
+    the sidecar holds the last step's snapshot, so the weights travel for its difference.
+    Every line here runs with caches cold from backward (each call 1-15 us): keep them few."""
+    raw = col.raw
+    if (col.scaler is not None or col.user or col._missed or col._missed_dev or col.bw_hooks
+            or col.acts.probe.attached or col.probe.branchless or not col.probe._lean.ok):
+        return False
+    got = raw.table.acquire()
+    if got is None or (detail and col.probe.update_ratio and not raw.table.next_free()):
+        return False  # a detail step keeps the next slot free for its settle
+    loss_f: float | None = None
+    if isinstance(loss, torch.Tensor):
+        if loss.device.type != "cpu":
+            return False
+        loss_f = loss.item() if loss.numel() == 1 else loss.detach().float().mean().item()  # as scalar_part
+    elif loss is not None:
+        loss_f = float(loss)
+    lrs: list[Any] = []
+    hyper: Any = None
+    if col.optimizer is not None:
+        if detail:
+            hyper, tensors = hyper_of(col.optimizer.param_groups, full=True)
+            lrs = None
+        else:
+            hyper, tensors = col._rates.rates(col.optimizer.param_groups)
+            lrs = col._rates.plain_lrs()
+        if tensors:
+            return False
+    grads: list[Any] = list(map(_GRAD, col.probe.params))
+    if any(g is None for g in grads) or grads[0].dtype not in _EXACT or grads[-1].dtype not in _EXACT:
+        return False
+    parts: Parts | None = None
+    batches: list[Any] = []
+    data: list[list[Any]] = []
+    data_bad = False
+    for name, t in (("inputs", inputs), ("targets", targets)):
+        if t is None:
+            continue
+        if raw.batch(t):
+            batches.append(t)
+            data.append([name, t.numel(), integer_flag(t)])
+            continue
+        st = data_stats(t, exact_on_host=True)
+        if st is not None:
+            data_bad = data_bad or (isinstance(st, tuple) and st[1] > 0)
+            parts = parts or Parts(True)
+            parts.add(f"data:{name}", st)
+    slot, seq = got
+    grad_mode = torch.is_grad_enabled()
+    if grad_mode:  # the copy must not be recorded (create_graph gradients, batches that require grad)
+        torch._C._set_grad_enabled(False)
+    weights = detail or settle
+    try:
+        sq, finite = raw.load(slot, grads, batches, weights)
+    except Exception:  # noqa: BLE001 - e.g. sparse gradients: the ordinary path, for good
+        col.raw = None
+        return False
+    finally:
+        if grad_mode:
+            torch._C._set_grad_enabled(True)
+    total = math.sqrt(sq) if sq >= 0 else math.nan
+    if col._trouble.check(loss_f, total, data_bad or not finite):
+        return False  # the ordinary path measures it exactly (check() moves no state on a trouble step)
+    col._nf_episode = False
+    ts = time.time()
+    wflags = (W_DETAIL | (W_SNAP if col.probe.update_ratio else 0) if detail else 0) | (W_SETTLE if settle else 0)
+    if parts is None and lrs is not None and not wflags and col.probe._pending_ur is None and col._clip is None:
+        payload = encode_raw(slot, seq, step, ts, loss_f, lrs, data)  # the common case: a fixed layout
+    else:
+        parts = parts or Parts(True)
+        meta: dict[str, Any] = {}
+        if loss_f is not None:
+            meta["loss"] = loss_f
+        if hyper is not None:
+            meta["opt"] = hyper
+        col.probe.updates(parts, meta)
+        if col._clip is not None:
+            parts.add("clip", col._clip[1])
+            meta["clip_step"] = col._clip[0]
+            col._clip = None
+        payload = pack([RAW, step, ts, slot, seq, meta, parts.values, data, wflags])
+    if detail and explicit and col.measure_clips and col.optimizer is not None:
+        col.clip_due = step
+    if col.raw_submit is not None and col.raw_submit(payload):
+        raw.table.commit(slot, seq)
+        col._raw_snap = bool(wflags & W_SNAP)
+    col.raw_steps += 1
+    return True
+
+def settle_only(col: Collector, step: int) -> None:
+    """``col``'s step goes the ordinary way, but the sidecar holds the last step's weight snapshot: send the
+    weights alone (the slot was kept free for this), so its update ratio is not lost."""
+    raw = col.raw
+    got = raw.table.acquire() if raw is not None and col.raw_submit is not None else None
+    if got is None:
+        return
+    slot, seq = got
+    try:
+        with torch.no_grad():
+            raw.load_weights(slot)
+    except Exception:  # noqa: BLE001
+        col.raw = None
+        return
+    if col.raw_submit(pack([RAW, step, time.time(), slot, seq, {}, {}, [], W_SETTLE | W_ONLY])):
+        raw.table.commit(slot, seq)
