@@ -1,4 +1,5 @@
-"""Shared by the framework tests: collect what a run published, and reference norms taken by the test."""
+"""Shared by the tests that compare published Steps: collect what a run published, the loop of the path
+comparisons, and reference norms taken by the test."""
 
 from __future__ import annotations
 
@@ -38,6 +39,38 @@ def steps_of(client: Any, want: int, timeout: float = 10.0) -> dict[int, Step]:
             if len(out) >= want:
                 break
     return out
+
+
+def train_poisoned(gw: Any, model: torch.nn.Module, opt: Any, batch: Any, loss_fn: Any, steps: int, *,
+                   bad_grads: int | None = None, bad_weight: int | None = None, pause: float = 0.0,
+                   sched: Any = None) -> None:
+    """The loop of the path comparisons (lean vs per-tensor, raw vs ordinary): ``batch()`` gives (x, y);
+    at step ``bad_grads`` a NaN row and an inf go into the first two gradients (and that update is
+    skipped); before step ``bad_weight`` a NaN is written into the third parameter (a NaN loss)."""
+    params = list(model.parameters())
+    for k in range(steps):
+        x, y = batch()
+        if k == bad_weight:
+            with torch.no_grad():
+                params[2].view(-1)[3] = math.nan
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if k == bad_grads:
+            params[0].grad[0].fill_(math.nan)
+            params[1].grad[0] = math.inf
+        gw.step(loss, inputs=x, targets=y)
+        if pause:
+            time.sleep(pause)
+        if k != bad_grads:
+            opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+def arr(b: object) -> list[float] | None:
+    """A Step's float32 bytes as a list (None stays None)."""
+    return None if b is None else list(b)  # type: ignore[call-overload]
 
 
 def grad_norms(module: torch.nn.Module, divide: float = 1.0) -> list[float]:

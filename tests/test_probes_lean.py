@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gradwatch
-from _fw import steps_of
+from _fw import arr, steps_of, train_poisoned
 from gradwatch.protocol import Step
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import FLAT_MAX, FlatBuffer, flat_eligible, update_ratio
@@ -131,29 +131,12 @@ def _decoded(kind: str, seed: int, lean: bool, steps: int, poison: bool) -> dict
     assert gw._probe._lean.ok is lean  # noqa: SLF001
     client = gradwatch.connect(gw.run_id)
     g = torch.Generator().manual_seed(seed)
-    params = list(model.parameters())
-    for k in range(steps):
-        x, y = _batch(kind, g)
-        if poison and k == 7:  # a weight poisoned between two steps: a NaN loss, the exact scan counts it
-            with torch.no_grad():
-                params[2].view(-1)[3] = math.nan
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        if poison and k == 5:
-            params[0].grad[0].fill_(math.nan)
-            params[1].grad[0] = math.inf
-        gw.step(loss, inputs=x, targets=y)
-        if not (poison and k == 5):
-            opt.step()
-        opt.zero_grad()
+    train_poisoned(gw, model, opt, lambda: _batch(kind, g), torch.nn.functional.mse_loss, steps,
+                   bad_grads=5 if poison else None, bad_weight=7 if poison else None)
     out = steps_of(client, steps)
     gw.close()
     client.close()
     return out
-
-
-def _arr(b: object) -> list[float] | None:
-    return None if b is None else list(b)  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -165,7 +148,7 @@ def test_lean_path_decodes_to_the_same_steps_as_the_per_tensor_path(runtime: Pat
     for k in range(steps):
         a, b = lean[k], ref[k]
         for field in ("grad_norm", "grad_max", "weight_norm", "update_ratio"):
-            va, vb = _arr(getattr(a, field)), _arr(getattr(b, field))
+            va, vb = arr(getattr(a, field)), arr(getattr(b, field))
             assert (va is None) == (vb is None), (k, field)
             if va is not None:
                 assert va == pytest.approx(vb, rel=1e-5, abs=1e-12, nan_ok=True), (k, field)

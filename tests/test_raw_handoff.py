@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gradwatch
-from _fw import steps_of
+from _fw import arr, steps_of, train_poisoned
 from gradwatch.protocol import Step
 from gradwatch.publisher.slots import DATA_MAX, SlotReader, SlotSpec, SlotTable, decode_raw, encode_raw
 
@@ -56,33 +56,14 @@ def _run(kind: str, seed: int, raw: bool, steps: int, poison: bool, monkeypatch:
     assert (gw._collector.raw is not None) is raw  # noqa: SLF001
     client = gradwatch.connect(gw.run_id)
     g = torch.Generator().manual_seed(seed)
-    params = list(model.parameters())
-    for k in range(steps):
-        x, y = _batch(kind, g)
-        if poison and k == 9:  # a weight poisoned between two steps: a NaN loss, the exact scan counts it
-            with torch.no_grad():
-                params[2].view(-1)[3] = math.nan
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        if poison and k == 6:
-            params[0].grad[0].fill_(math.nan)
-            params[1].grad[0] = math.inf
-        gw.step(loss, inputs=x, targets=y)
-        time.sleep(0.03)  # the sidecar reads the ring every 10 ms: its slots are back, the counts below are exact
-        if not (poison and k == 6):
-            opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
+    # pause: the sidecar reads the ring every 10 ms; with its slots back, the raw-step counts are exact
+    train_poisoned(gw, model, opt, lambda: _batch(kind, g), torch.nn.functional.cross_entropy, steps,
+                   bad_grads=6 if poison else None, bad_weight=9 if poison else None, pause=0.03, sched=sched)
     out = steps_of(client, steps)
     n_raw = gw._collector.raw_steps  # noqa: SLF001
     gw.close()
     client.close()
     return out, n_raw
-
-
-def _arr(b: object) -> list[float] | None:
-    return None if b is None else list(b)  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize(("kind", "seed", "poison", "sched"),
@@ -99,7 +80,7 @@ def test_raw_steps_decode_to_the_same_steps_as_the_ordinary_path(runtime: Path, 
     for k in range(steps):
         a, b = got[k], ref[k]
         for field in ("grad_norm", "grad_max", "weight_norm", "update_ratio"):
-            va, vb = _arr(getattr(a, field)), _arr(getattr(b, field))
+            va, vb = arr(getattr(a, field)), arr(getattr(b, field))
             assert (va is None) == (vb is None), (k, field)
             if va is not None:
                 assert va == pytest.approx(vb, rel=1e-6, abs=1e-12, nan_ok=True), (k, field)
