@@ -41,6 +41,20 @@ def steps_of(client: Any, want: int, timeout: float = 10.0) -> dict[int, Step]:
     return out
 
 
+def small_mlp(seed: int, out: int = 1) -> torch.nn.Module:
+    """5 -> 64 -> 64 -> ``out``: small enough for the lean path and the raw hand-off."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, out))
+
+
+def small_convnet(seed: int, out: int = 10) -> torch.nn.Module:
+    """Conv 3 -> 8, BatchNorm, a Linear head on 8x8 images (a 4-d batch, buffers beside the parameters)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(8 * 6 * 6, out))
+
+
 def train_poisoned(gw: Any, model: torch.nn.Module, opt: Any, batch: Any, loss_fn: Any, steps: int, *,
                    bad_grads: int | None = None, bad_weight: int | None = None, pause: float = 0.0,
                    sched: Any = None) -> None:
@@ -71,6 +85,24 @@ def train_poisoned(gw: Any, model: torch.nn.Module, opt: Any, batch: Any, loss_f
 def arr(b: object) -> list[float] | None:
     """A Step's float32 bytes as a list (None stays None)."""
     return None if b is None else list(b)  # type: ignore[call-overload]
+
+
+def assert_same_measurements(a: Step, b: Step, rel: float) -> None:
+    """Two Steps of the same training step measured two ways: the same per-tensor values (to ``rel``),
+    total, exact counts, update and clip steps, hyper-parameters and loss."""
+    k = a.step
+    for field in ("grad_norm", "grad_max", "weight_norm", "update_ratio"):
+        va, vb = arr(getattr(a, field)), arr(getattr(b, field))
+        assert (va is None) == (vb is None), (k, field)
+        if va is not None:
+            assert va == pytest.approx(vb, rel=rel, abs=1e-12, nan_ok=True), (k, field)
+    assert a.total == pytest.approx(b.total, rel=rel, nan_ok=True), k
+    assert (a.nonfinite, a.weight_nonfinite, a.nograd, a.update_step, a.clip_step) == \
+           (b.nonfinite, b.weight_nonfinite, b.nograd, b.update_step, b.clip_step), k
+    assert (a.clip_total is None) == (b.clip_total is None), k
+    if a.clip_total is not None:
+        assert a.clip_total == pytest.approx(b.clip_total, rel=rel, nan_ok=True), k
+    assert a.opt == b.opt and a.loss == pytest.approx(b.loss, nan_ok=True), k
 
 
 def grad_norms(module: torch.nn.Module, divide: float = 1.0) -> list[float]:

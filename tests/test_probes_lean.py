@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gradwatch
-from _fw import arr, steps_of, train_poisoned
+from _fw import assert_same_measurements, small_convnet, small_mlp, steps_of, train_poisoned
 from gradwatch.protocol import Step
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import FLAT_MAX, FlatBuffer, flat_eligible, update_ratio
@@ -22,15 +22,11 @@ torch.set_num_threads(1)
 
 
 def _mlp(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                               torch.nn.Linear(64, 1))
+    return small_mlp(seed, 1)
 
 
 def _convnet(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
-                               torch.nn.Linear(8 * 6 * 6, 10))
+    return small_convnet(seed, 10)
 
 
 MODELS = {"mlp": (_mlp, (16, 5), (16, 1)), "conv": (_convnet, (4, 3, 8, 8), (4, 10))}
@@ -147,15 +143,7 @@ def test_lean_path_decodes_to_the_same_steps_as_the_per_tensor_path(runtime: Pat
     assert sorted(lean) == sorted(ref) == list(range(steps))
     for k in range(steps):
         a, b = lean[k], ref[k]
-        for field in ("grad_norm", "grad_max", "weight_norm", "update_ratio"):
-            va, vb = arr(getattr(a, field)), arr(getattr(b, field))
-            assert (va is None) == (vb is None), (k, field)
-            if va is not None:
-                assert va == pytest.approx(vb, rel=1e-5, abs=1e-12, nan_ok=True), (k, field)
-        assert a.total == pytest.approx(b.total, rel=1e-5, nan_ok=True)
-        assert (a.nonfinite, a.weight_nonfinite, a.nograd, a.update_step) == \
-               (b.nonfinite, b.weight_nonfinite, b.nograd, b.update_step), k
-        assert a.opt == b.opt and a.loss == pytest.approx(b.loss, nan_ok=True)
+        assert_same_measurements(a, b, 1e-5)
         for name in ("inputs", "targets"):
             da, db = a.data[name], b.data[name]
             assert (da.numel, da.nonfinite, da.min, da.max) == (db.numel, db.nonfinite, db.min, db.max)

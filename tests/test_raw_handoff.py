@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gradwatch
-from _fw import arr, steps_of, train_poisoned
+from _fw import assert_same_measurements, small_convnet, small_mlp, steps_of, train_poisoned
 from gradwatch.protocol import Step
 from gradwatch.publisher.slots import DATA_MAX, SlotReader, SlotSpec, SlotTable, decode_raw, encode_raw
 
@@ -26,15 +26,11 @@ torch.set_num_threads(1)
 
 
 def _mlp(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                               torch.nn.Linear(64, 3))
+    return small_mlp(seed, 3)
 
 
 def _convnet(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
-                               torch.nn.Linear(8 * 6 * 6, 3))
+    return small_convnet(seed, 3)
 
 
 def _batch(kind: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,18 +75,7 @@ def test_raw_steps_decode_to_the_same_steps_as_the_ordinary_path(runtime: Path, 
     assert n_raw == (6 if poison else 14), n_raw
     for k in range(steps):
         a, b = got[k], ref[k]
-        for field in ("grad_norm", "grad_max", "weight_norm", "update_ratio"):
-            va, vb = arr(getattr(a, field)), arr(getattr(b, field))
-            assert (va is None) == (vb is None), (k, field)
-            if va is not None:
-                assert va == pytest.approx(vb, rel=1e-6, abs=1e-12, nan_ok=True), (k, field)
-        assert a.total == pytest.approx(b.total, rel=1e-6, nan_ok=True)
-        assert (a.nonfinite, a.weight_nonfinite, a.nograd, a.update_step, a.clip_step) == \
-               (b.nonfinite, b.weight_nonfinite, b.nograd, b.update_step, b.clip_step), k
-        assert (a.clip_total is None) == (b.clip_total is None), k
-        if a.clip_total is not None:
-            assert a.clip_total == pytest.approx(b.clip_total, rel=1e-6, nan_ok=True), k
-        assert a.opt == b.opt and a.loss == pytest.approx(b.loss, nan_ok=True), k
+        assert_same_measurements(a, b, 1e-6)
         for name in ("inputs", "targets"):
             assert a.data[name] == b.data[name], (k, name)  # the same function on the same float32 values
     assert got[3].data["targets"].integer and got[3].update_step == 2  # a raw step carrying an update ratio
