@@ -89,6 +89,13 @@ class Collector:
         vec = self.probe._norm_vec(grads, 2.0, all(g is not None for g in grads))
         self._clip = (step, torch.linalg.vector_norm(vec))
 
+    def take_clip(self, parts: Parts, meta: dict[str, Any]) -> None:
+        """The clipped total the optimizer hook measured after the last detail step goes with this step."""
+        if self._clip is not None:
+            parts.add("clip", self._clip[1])
+            meta["clip_step"] = self._clip[0]
+            self._clip = None
+
     def boundary(self, loss: Any, inputs: Any, targets: Any, explicit: bool = False) -> None:
         """One step boundary; ``explicit``: gw.step() marks them (the optimizer hook then measures the
         clipped total on detail steps)."""
@@ -147,10 +154,7 @@ class Collector:
         if meta.get("scan") == "nonfinite" and not meta.get("wnf") and not self.acts.every and not self.acts.armed:
             # a NaN from clean weights: if it comes back, trace it to the first module that makes it
             self.acts.armed = AUTO_ARM_STEPS + 1
-        if self._clip is not None:
-            parts.add("clip", self._clip[1])
-            meta["clip_step"] = self._clip[0]
-            self._clip = None
+        self.take_clip(parts, meta)
         if detail and explicit and self.measure_clips and self.optimizer is not None:
             self.clip_due = step
         if self.pause_on_nonfinite:

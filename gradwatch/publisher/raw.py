@@ -184,10 +184,7 @@ def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any
         if hyper is not None:
             meta["opt"] = hyper
         col.probe.updates(parts, meta)
-        if col._clip is not None:
-            parts.add("clip", col._clip[1])
-            meta["clip_step"] = col._clip[0]
-            col._clip = None
+        col.take_clip(parts, meta)
         payload = pack([RAW, step, ts, slot, seq, meta, parts.values, data, wflags])
     if detail and explicit and col.measure_clips and col.optimizer is not None:
         col.clip_due = step
@@ -196,6 +193,7 @@ def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any
         col._raw_snap = bool(wflags & W_SNAP)
     col.raw_steps += 1
     return True
+
 
 def settle_only(col: Collector, step: int) -> None:
     """``col``'s step goes the ordinary way, but the sidecar holds the last step's weight snapshot: send the

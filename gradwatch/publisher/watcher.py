@@ -38,6 +38,7 @@ from gradwatch.publisher.act_probe import ActivationProbe, module_tree
 from gradwatch.publisher.boundary import Boundaries
 from gradwatch.publisher.collect import Collector
 from gradwatch.publisher.config import WatchConfig
+from gradwatch.publisher import teardown
 from gradwatch.publisher.exits import close_at_exit, install_excepthook, rank_world, stdin_is_terminal
 from gradwatch.publisher.null import NullWatcher  # noqa: F401 - re-exported: it used to live here
 from gradwatch.publisher.pause import PauseControl
@@ -332,71 +333,15 @@ class Watcher:
                           f"gradwatch has switched itself off, training continues")
 
     def _disable(self, reason: str) -> None:
+        """Switch gradwatch off for good (one warning); training goes on."""
         if self.disabled_reason is not None:
             return
         self.disabled_reason = reason
         warn(reason, key=f"disabled-{id(self)}")
-        try:
-            self._remove_hooks()
-            self._stop_control()
-            if self.sender is not None:
-                self.sender.event("disabled", self._collector.step, reason[:500])
-                self.sender.stop(timeout=0.5)
-            self._stop_auth()
-            self._mark_ended("crashed" if self.sender is None else "finished")
-        except Exception:  # noqa: BLE001
-            pass
-
-    def _remove_hooks(self) -> None:
-        while self._cleanups:
-            try:
-                self._cleanups.pop()()
-            except Exception:  # noqa: BLE001
-                pass
-        self._collector.drop_bw_hooks()
-        self._boundaries.detach()
-        self._acts.probe.detach()
-
-    def _stop_control(self) -> None:
-        if self._pausectl is not None:
-            self._pausectl.close()  # stops the distributed pause coordinator (a no-op for one process)
-        if self._control is not None:
-            self._control.stop(timeout=0.5)
-        if self.control_endpoint is not None:
-            transport.remove_socket(self.control_endpoint)
-
-    def _stop_auth(self) -> None:
-        """Stop the ZAP handler once both sockets are done (new handshakes then fail closed)."""
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
-
-    def _mark_ended(self, status: str) -> None:
-        if self.connection_file is not None:
-            try:
-                transport.update_status(self.connection_file, status)
-            except Exception:  # noqa: BLE001
-                pass
-        if self.endpoint is not None:
-            transport.remove_socket(self.endpoint)
+        teardown.disabled(self, reason)
 
     def _close(self, crashed: str | None, stopped: str | None = None) -> None:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
-        try:
-            self._remove_hooks()
-            self._stop_control()
-            if self.sender is not None and self.disabled_reason is None:
-                step = self._collector.step
-                final = (("crashed", crashed) if crashed else
-                         ("finished", f"stopped ({stopped}) after {step} steps") if stopped else
-                         ("finished", f"{step} steps"))
-                self.sender.stop(final=final, timeout=1.5)
-                if not self.sender.is_alive() and self._ctx is not None:
-                    self._ctx.destroy(linger=0)
-            self._stop_auth()
-            if self.disabled_reason is None:
-                self._mark_ended("crashed" if crashed else "stopped" if stopped else "finished")
-        except Exception:  # noqa: BLE001
-            pass
+        teardown.closed(self, crashed, stopped)
