@@ -23,6 +23,7 @@ p.add_argument("--fault", choices=["", "sign", "send", "sidecar"], default="",
                     "same Sender); sidecar: SIGKILL this run's sidecar process at step 100")
 p.add_argument("--endpoint", default=None)
 p.add_argument("--linger", type=float, default=0.0, help="stay alive this long after the loop, before close()")
+p.add_argument("--hold", action="store_true", help="with --linger: close() as soon as stdin ends (the test is done)")
 p.add_argument("--max-pause", type=float, default=1800.0)
 p.add_argument("--no-control", action="store_true")
 p.add_argument("--debug-in", default="viewer")
@@ -94,7 +95,12 @@ for i in range(args.steps):
     if args.pace:
         time.sleep(args.pace)
 print(f"LOOP_END {time.time():.6f}", flush=True)
-time.sleep(args.linger)
+if args.hold:
+    import select
+
+    select.select([sys.stdin], [], [], args.linger)
+else:
+    time.sleep(args.linger)
 if not args.no_close:
     gw.close()
 sys.exit(0)

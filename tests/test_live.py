@@ -18,8 +18,8 @@ TRAINER = str(ROOT / "tests" / "_trainer.py")
 
 
 def _start(runtime: Path, *args: str, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([PY, TRAINER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env(runtime, **env))
+    return subprocess.Popen([PY, TRAINER, *args], stdin=subprocess.PIPE if "--hold" in args else None,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(runtime, **env))
 
 
 def _run_id(proc: subprocess.Popen[str]) -> str:
@@ -132,7 +132,7 @@ def test_tail_prints_steps_and_ends_with_the_run(runtime: Path) -> None:
 
 def test_tail_n_prints_the_last_lines_of_the_history_then_follows(runtime: Path) -> None:
     """`tail -n 5` of a run 300 steps in: its history's last 5 steps, not 300 (before: the whole history)."""
-    proc = _start(runtime, "300", "--linger", "30", "--name", "tailn")
+    proc = _start(runtime, "300", "--linger", "30", "--hold", "--name", "tailn")
     try:
         _run_id(proc)
         assert proc.stdout.readline().startswith("LOOP_END")  # type: ignore[union-attr]
@@ -140,9 +140,13 @@ def test_tail_n_prints_the_last_lines_of_the_history_then_follows(runtime: Path)
                              text=True, timeout=60, env=child_env(runtime))
         steps = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("step ")]
         assert out.returncode == 0 and steps == ["295", "296", "297", "298", "299"], out.stdout[-800:]
-        none = subprocess.run([PY, "-m", "gradwatch", "tail", "tailn", "-n", "0", "--lost-after", "2"],
-                              capture_output=True, text=True, timeout=60, env=child_env(runtime))
-        assert not [ln for ln in none.stdout.splitlines() if ln.startswith("step ")]  # no history, no new step
+        none = subprocess.Popen([PY, "-m", "gradwatch", "tail", "tailn", "-n", "0", "--lost-after", "2"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(runtime))
+        time.sleep(1.0)  # it follows the run (heartbeats, no step) until the run ends
+        proc.stdin.close()  # type: ignore[union-attr]  # the trainer closes: 'finished' ends the tail
+        none_out, none_err = none.communicate(timeout=60)
+        assert none.returncode == 0, none_err[-800:]
+        assert not [ln for ln in none_out.splitlines() if ln.startswith("step ")]  # no history, no new step
         bad = subprocess.run([PY, "-m", "gradwatch", "tail", "-n", "-3"], capture_output=True, text=True,
                              timeout=60, env=child_env(runtime))
         assert bad.returncode == 2 and "must be 0 or more" in bad.stderr and "Traceback" not in bad.stderr
