@@ -228,3 +228,50 @@ def test_a_killed_sidecar_is_noticed_on_raw_steps_too(runtime: Path, recwarn: py
     said = [w for w in recwarn if "exited with code -9" in str(w.message)]
     assert len(said) == 1
     gw.close()
+
+
+@pytest.mark.parametrize("path", ["raw", "lean", "per-tensor"])
+def test_huge_finite_gradients_warn_nothing_and_are_measured_exactly(runtime: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      path: str) -> None:
+    """Gradients of 1e25 (their float32 squares overflow): the raw path's total is inf, so the step goes the
+    ordinary way; on every path it is measured exactly -- each norm and the total finite, no non-finite
+    element -- and nothing (numpy's overflow RuntimeWarning before) reaches the user's stderr."""
+    import warnings
+
+    if path == "lean":
+        monkeypatch.setenv("GRADWATCH_RAW", "0")
+    if path == "per-tensor":  # 266k values in 6 tensors: beyond the flat buffers (flat.flat_limit)
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                    torch.nn.ReLU(), torch.nn.Linear(512, 3))
+    else:
+        model = _mlp(1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
+    client = gradwatch.connect(gw.run_id)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(8):
+            x, y = _batch("mlp", g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if k == 6:
+                for p in model.parameters():
+                    p.grad.mul_(1e25)
+                expect = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+            gw.step(inputs=x, targets=y)
+            time.sleep(0.03)
+            opt.step()
+            opt.zero_grad()
+    got = steps_of(client, 8)
+    n_raw = gw._collector.raw_steps  # noqa: SLF001
+    gw.close()
+    client.close()
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    if path == "raw":
+        assert n_raw >= 4  # the steady steps before it went raw (the check ran on the raw path)
+    else:
+        assert n_raw == 0 and (gw._probe._lean.ok is (path == "lean"))  # noqa: SLF001
+    big = got[6]
+    assert big.nonfinite == {} and big.total == pytest.approx(expect, rel=1e-5), (big.total, expect, big.nonfinite)
+    assert all(math.isfinite(v) and v > 1e19 for v in big.grad_norm), list(big.grad_norm)  # each one measured

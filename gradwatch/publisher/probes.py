@@ -38,6 +38,7 @@ from gradwatch.publisher.data_stats import DATA_FIELDS, INF, data_stats  # noqa:
 from gradwatch.publisher.flat import LeanPath, exact_nonfinite, total_norm, update_ratio
 from gradwatch.publisher.hyper import HYPER_KEYS, RateCache, hyper_of, scalar_part  # noqa: F401 - re-exported
 from gradwatch.publisher.parts import Parts, _EventPool
+from gradwatch.publisher.segments import F32_MAX
 
 
 @dataclass(slots=True)
@@ -168,19 +169,22 @@ class GradProbe:
         fg = self._lean.grads(grads) if host and complete else None
         if fg is not None:
             norms = fg.norms()
-            parts.put("gn", norms)
             total = total_norm(norms)
             meta["nonfinite"] = exact_nonfinite(fg, norms, total)
+            if not math.isfinite(total):
+                total = total_norm(norms)  # an overflow of finite values, measured again
+            parts.put("gn", norms)
             return total
         gn = self._norm_vec(grads, 2.0, complete, self._out if host else None)
-        parts.add("gn", gn)
         if not host:
+            parts.add("gn", gn)
             parts.add("gmax", self._norm_vec(grads, INF, complete))
             with torch.no_grad():
                 parts.add("wmax", self._norm_vec(self.params, INF, True))  # no_grad: no detach per parameter
             return None
         meta["nonfinite"] = {}
         if not self.n:
+            parts.add("gn", gn)
             return 0.0
         a = gn.numpy().astype(np.float64)  # CPU: a view of the norms, read at once (no device queue to stall)
         total = math.sqrt(float(np.dot(a, a)))  # float64: no overflow below 1e154
@@ -189,6 +193,13 @@ class GradProbe:
             if bad:  # the exact count, only for the tensors whose L2 norm was not finite
                 counts = torch.stack([(~torch.isfinite(grads[i])).sum() for i in bad]).tolist()
                 meta["nonfinite"] = {i: int(c) for i, c in zip(bad, counts) if c > 0}
+                # finite values whose float32 sum of squares overflowed: their norm again, in float64
+                for i in (i for i, c in zip(bad, counts) if c == 0):
+                    v = float(torch.linalg.vector_norm(grads[i], dtype=torch.float64))
+                    gn[i] = v if v <= F32_MAX else math.inf
+                    a[i] = gn[i]
+                total = math.sqrt(float(np.dot(a, a)))
+        parts.add("gn", gn)  # a copy of the bytes, so after the fix above
         return total
 
     def details(self, parts: Parts, meta: dict[str, Any], step: int) -> None:
@@ -202,8 +213,8 @@ class GradProbe:
             fw = lean.weights()
             if fw is not None:
                 wn = fw.norms()
-                parts.put("wn", wn)
                 meta["wnf"] = exact_nonfinite(fw, wn)
+                parts.put("wn", wn)
                 if self.update_ratio:
                     lean.snap_wn, self._snap_step, self._snap_active = wn, step, True
                 return

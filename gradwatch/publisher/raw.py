@@ -2,7 +2,7 @@
 
 At a boundary that needs nothing but the everyday statistics, the training thread copies every gradient
 and the tiny batches into a free slot of the shared memory with one ``torch._foreach_copy_``, computes the
-one value it must know now -- the total gradient norm (squared, one ``np.dot``) and whether the batch is
+one value it must know now -- the total gradient norm (squared, one ``torch.dot``) and whether the batch is
 finite, for the trouble check -- and leaves the per-tensor norms, exact counts and batch statistics to the
 sidecar, which runs the same functions as the lean path (:mod:`.segments`). Detail steps add the weights
 to the copy (the sidecar keeps them as the update's snapshot). Anything out of the ordinary (a trouble
@@ -17,7 +17,6 @@ import operator
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from gradwatch.publisher.data_stats import data_stats
@@ -49,7 +48,7 @@ class RawHandoff:
         whole = torch.frombuffer(mm, dtype=torch.float32, count=count, offset=base + spec.k * _LINE)
         arr = whole.numpy()
         self._slots = [whole[i * spec.floats:(i + 1) * spec.floats] for i in range(spec.k)]
-        self._gnp = [arr[i * spec.floats:i * spec.floats + spec.n] for i in range(spec.k)]
+        self._gflat = [s[:spec.n] for s in self._slots]
         self._data_mv = [memoryview(arr[i * spec.floats + spec.data_at:(i + 1) * spec.floats]) for i in range(spec.k)]
         self._views = [self._tensor_views(s, 0) for s in self._slots]
         self._wviews = [self._tensor_views(s, spec.n) for s in self._slots]
@@ -86,8 +85,8 @@ class RawHandoff:
             torch._foreach_copy_(self._views[slot] + self._wviews[slot] + dv, grads + self.params + batches)
         else:
             torch._foreach_copy_(self._views[slot] + dv if dv else self._views[slot], grads + batches if batches else grads)
-        g = self._gnp[slot]
-        sq = float(np.dot(g, g))
+        g = self._gflat[slot]
+        sq = torch.dot(g, g).item()  # not np.dot: numpy would warn on the user's stderr when it overflows
         if not batches:
             return sq, True
         n = sum(b.numel() for b in batches)

@@ -42,6 +42,12 @@ class Segments:
         """Per-tensor max |x|: NaN iff the tensor holds a NaN, inf iff an inf (numpy's maximum propagates NaN)."""
         return np.maximum.reduceat(np.abs(self.arr, out=self._scratch), self.starts)
 
+    def norm64(self, i: int) -> float:
+        """Tensor ``i``'s L2 norm accumulated in float64, as float32 (inf only if it is beyond float32)."""
+        a, b = self.bounds[i]
+        x = self.arr[a:b].astype(np.float64)
+        return _to_f32(math.sqrt(float(x.dot(x))))
+
     def nonfinite(self, idxs: Any) -> dict[int, int]:
         """Exact count of NaN/inf values in the given tensors (only those with a count > 0)."""
         out: dict[int, int] = {}
@@ -54,11 +60,25 @@ class Segments:
 
 
 def exact_nonfinite(seg: Segments, norms: np.ndarray, total: float | None = None) -> dict[int, int]:
-    """Counts for the tensors whose L2 norm is not finite (an overflow of finite values counts 0); the
-    common all-finite case is one builtin call (``total``: the total norm if already known)."""
+    """Counts for the tensors whose L2 norm is not finite; the common all-finite case is one builtin call
+    (``total``: the total norm if already known). A tensor of finite values whose float32 sum of squares
+    overflowed (|x| beyond ~1e19) counts 0 and gets its norm measured again in float64, in place in
+    ``norms``: an explosion is reported as its size, not as inf."""
     if math.isfinite(total_norm(norms) if total is None else total):
         return {}
-    return seg.nonfinite(np.flatnonzero(~np.isfinite(norms)))
+    bad = np.flatnonzero(~np.isfinite(norms))
+    counts = seg.nonfinite(bad)
+    for i in bad.tolist():
+        if i not in counts:
+            norms[i] = seg.norm64(i)
+    return counts
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _to_f32(v: float) -> float:
+    return v if v <= F32_MAX else math.inf  # numpy's own cast would warn on the user's stderr
 
 
 def total_norm(norms: np.ndarray) -> float:

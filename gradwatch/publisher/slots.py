@@ -196,8 +196,8 @@ class SlotReader:
             return
         values["gmax"] = self._grads[i].maxabs().astype(np.float32, copy=False).tobytes()
         wn = w.norms()
-        values["wn"] = wn.astype(np.float32, copy=False).tobytes()
         meta["wnf"] = exact_nonfinite(w, wn)
+        values["wn"] = wn.astype(np.float32, copy=False).tobytes()
         if wflags & W_SNAP:
             if self._snap is None:
                 self._snap = np.empty(self.spec.n, dtype=np.float32)
