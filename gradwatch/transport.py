@@ -191,13 +191,32 @@ def new_run_id() -> str:
     return secrets.token_hex(6)
 
 
-def _pid_start(pid: int) -> int | None:
-    """Process start time in clock ticks (Linux), to tell a live pid from a reused one."""
+def proc_stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first: index 0 is field 3), or None
+    (no such process, not Linux). The name is cut at the *last* ")": it may itself hold ") "."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
-        return int(data[data.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
+        return data[data.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_start(pid: int) -> int | None:
+    """Process start time in clock ticks (Linux), to tell a live pid from a reused one."""
+    fields = proc_stat(pid)
+    try:
+        return int(fields[19]) if fields is not None else None
+    except (ValueError, IndexError):
+        return None
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time of a process in clock ticks: it grows while the process works."""
+    fields = proc_stat(pid)
+    try:
+        return int(fields[11]) + int(fields[12]) if fields is not None else None
+    except (ValueError, IndexError):
         return None
 
 
@@ -216,14 +235,8 @@ def pid_alive(pid: int, pid_start: int | None = None) -> bool:
         now = _pid_start(pid)
         if now is not None and now != pid_start:
             return False
-    try:  # a zombie (exited, not yet reaped) is not a live run
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        if data[data.rindex(b")") + 2 : data.rindex(b")") + 3] == b"Z":
-            return False
-    except (OSError, ValueError):
-        pass
-    return True
+    fields = proc_stat(pid)  # a zombie (exited, not yet reaped) is not a live run
+    return not (fields and fields[0] == b"Z")
 
 
 @dataclass(frozen=True, slots=True)

@@ -274,3 +274,81 @@ def test_a_frozen_sidecar_never_blocks_the_trainer_and_is_killed_at_close(runtim
     assert exited - loop_end < 2.0
     assert not _alive(side)
     assert _in_session(proc.pid) == []
+
+
+def test_a_sidecar_behind_at_close_sends_every_step_and_the_final_event_after_the_trainer_left(
+        runtime: Path) -> None:
+    """A sidecar that is working but behind when close() gives up waiting (here: a backlog built while it
+    was stopped, then throttled by SIGSTOP/SIGCONT) is not killed: close() returns within 2 s, and the
+    sidecar goes on to deliver every step and the ``finished`` event, then exits by itself. Before, the
+    trainer killed it after 1.5 s and the last steps -- often the ones right after an incident -- were lost."""
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gw = gradwatch.watch(model, opt, announce=False, history=4000)
+    side = gw.sender.pid  # type: ignore[union-attr]
+    client = gradwatch.connect(gw.run_id)
+    got: dict[int, Step] = {}
+    final: list[Event] = []
+
+    def read() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not final:
+            msg = client.recv(0.1)
+            if isinstance(msg, Step):
+                got[msg.step] = msg
+            elif isinstance(msg, Event) and msg.event in ("finished", "crashed"):
+                final.append(msg)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    steps = 3000
+    os.kill(side, signal.SIGSTOP)
+    for _ in range(steps):
+        x = torch.randn(16, 8)
+        torch.nn.functional.mse_loss(model(x), torch.zeros(16, 4)).backward()
+        gw.step(inputs=x)
+        opt.step()
+        opt.zero_grad()
+    dropped = gw.sender.dropped  # type: ignore[union-attr]
+    os.kill(side, signal.SIGCONT)
+    throttling = threading.Event()
+    throttling.set()
+
+    def signal_side(sig: int) -> None:
+        try:
+            os.kill(side, sig)
+        except ProcessLookupError:  # it has finished (reaped by close()'s reaper thread)
+            throttling.clear()
+
+    def throttle() -> None:  # a sidecar on a starved machine: it runs a sixth of the time
+        while throttling.is_set():
+            signal_side(signal.SIGSTOP)
+            time.sleep(0.08)
+            signal_side(signal.SIGCONT)
+            time.sleep(0.015)
+
+    t = threading.Thread(target=throttle, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        gw.close()
+        took = time.monotonic() - t0
+        detached = gw.sender.detached  # type: ignore[union-attr]
+    finally:
+        throttling.clear()
+        t.join()
+        signal_side(signal.SIGCONT)
+    reader.join(30)
+    client.close()
+    assert dropped == 0  # the ring held the whole backlog: every step was handed over
+    assert took < 2.0, took
+    assert detached, ("the sidecar caught up before close() gave up, or was killed", took, len(got), final)
+    assert final and final[0].event == "finished", final
+    assert sorted(got) == list(range(steps)), (len(got), [k for k in range(steps) if k not in got][:10])
+    deadline = time.monotonic() + 10
+    while _alive(side) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(side), "the detached sidecar did not exit"

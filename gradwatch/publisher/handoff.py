@@ -31,6 +31,7 @@ from typing import Any, Callable
 import msgpack
 
 from gradwatch.publisher.ring import Ring
+from gradwatch.transport import cpu_ticks
 
 # record kinds, trainer -> sidecar
 WORK, EVENT, COUNTERS, STOP, CONN, RAW = 0, 1, 2, 3, 4, 5
@@ -42,6 +43,9 @@ READY_TIMEOUT_S = 15.0
 TICK_S = 0.25
 #: At close, a sidecar that reads nothing from the ring for this long is taken as frozen and killed.
 STOP_ACCEPT_S = 0.3
+#: A sidecar still working through its backlog when close() gives up waiting is left to finish (it stops
+#: by itself after ``sidecar.DETACHED_DRAIN_S``); past this it is killed.
+DETACHED_MAX_S = 8.0
 
 
 class BindError(RuntimeError):
@@ -91,6 +95,7 @@ class SidecarSender:
         self._layout_id = 0
         self._next_tick = 0.0
         self._stopping = False
+        self.detached = False  # close() left it sending its backlog (see _detach)
         self.counters_extra: Callable[[], dict[str, int]] | None = None
         self.dead_reason: str | None = None
         self.failed = False
@@ -134,7 +139,8 @@ class SidecarSender:
             self._write(pack([CONN, str(path)]))
 
     def stop(self, final: tuple[str, str] | None = None, timeout: float = 1.0) -> None:
-        """Ask the sidecar to send what it has, publish ``final`` and exit; kill it after ``timeout``."""
+        """Ask the sidecar to send what it has, publish ``final`` and exit. After ``timeout`` a sidecar that
+        is still working through its backlog is left to finish (:meth:`_detach`); a frozen one is killed."""
         if self._stopping:
             return
         end = time.monotonic() + timeout
@@ -146,24 +152,53 @@ class SidecarSender:
             # a live sidecar reads the ring within ms; one that reads nothing for STOP_ACCEPT_S is frozen
             # (SIGSTOPped, swapped out) and is killed, so the exit stays fast
             accept_by = min(end, time.monotonic() + STOP_ACCEPT_S)
-            start = self._ring.consumed()
+            seen, ticks = self._ring.consumed(), cpu_ticks(self._proc.pid)
             accepted = self._write(record, count=False)
             live = False  # the sidecar read something since the stop began
+            progress = time.monotonic()  # when it last read or worked (its CPU time grew)
             while self._proc.poll() is None and time.monotonic() < end:
-                live = live or self._ring.consumed() != start
+                now_seen, now_ticks = self._ring.consumed(), cpu_ticks(self._proc.pid)
+                live = live or now_seen != seen
+                if now_seen != seen or now_ticks != ticks:
+                    seen, ticks, progress = now_seen, now_ticks, time.monotonic()
                 if not live and time.monotonic() > accept_by:
                     break  # frozen
                 if not accepted:
                     accepted = self._write(record, count=False)
                 time.sleep(0.005)
-            if self._proc.poll() is None:  # frozen, or past the timeout
-                self._proc.kill()
-                self._proc.wait(1.0)
+            if self._proc.poll() is None:
+                if live and accepted and time.monotonic() - progress < STOP_ACCEPT_S:
+                    self._detach()  # behind, but working through its backlog: it finishes on its own
+                else:  # frozen
+                    self._proc.kill()
+                    self._proc.wait(1.0)
         except Exception:  # noqa: BLE001 - stopping must never raise into the trainer
             pass
         finally:
             self._stopping = True
             self._close_pipes()
+
+    def _detach(self) -> None:
+        """The trainer's close() returns now; the sidecar sends its backlog and the final event within
+        :data:`~.sidecar.DETACHED_DRAIN_S` and exits (told by ``D`` on its stdin, then end-of-file, so it
+        does not take the trainer's exit for a crash). A daemon thread reaps it, or kills it past that."""
+        self.detached = True
+        try:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(b"D")
+            self._proc.stdin.flush()
+        except Exception:  # noqa: BLE001 - then it sees only the end-of-file and says "crashed"
+            pass
+        proc = self._proc
+
+        def reap() -> None:
+            try:
+                proc.wait(DETACHED_MAX_S)
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+                proc.kill()
+                proc.wait(1.0)
+
+        threading.Thread(target=reap, name="gradwatch-sidecar-reaper", daemon=True).start()
 
     def is_alive(self) -> bool:
         return self._proc.poll() is None

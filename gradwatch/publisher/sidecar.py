@@ -22,7 +22,6 @@ import signal
 import struct
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,8 +37,10 @@ POLL_S = 0.01
 #: The sidecar reports its counters to the trainer this often.
 STATUS_S = 0.25
 #: After the trainer's stop, what the ring still holds is sent for at most this long; the rest is dropped
-#: and counted (a trainer far ahead of its sidecar must still exit within 2 s).
-STOP_DRAIN_S = 0.8
+#: and counted. The trainer's close() waits only 1.5 s: a sidecar still busy then is left to finish on its
+#: own (``D`` on its stdin, then end-of-file: handoff.SidecarSender._detach), so that the last steps before
+#: the end -- those right after an incident, often -- reach the viewer and the recording.
+STOP_DRAIN_S = 5.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,6 +69,7 @@ class Sidecar:
         self.terminated = False
         self.bad_records = 0
         self.stop_deadline: float | None = None
+        self.detached: float | None = None  # when the trainer's close() left without waiting (see run)
         self.dropped_at_stop = 0
         slots = cfg.get("slots")
         self.slots = SlotReader(SlotSpec.from_config(slots), ring.mm, ring.extra_at) if slots else None
@@ -136,19 +138,20 @@ class Sidecar:
 
     def trainer_running(self) -> bool:
         """False while the trainer is stopped (SIGSTOP, Ctrl-Z) or held by a tracer: no heartbeat then."""
-        try:
-            state = Path(f"/proc/{self.trainer_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return True  # no /proc (not Linux): as alive as the process is
-        return state not in ("T", "t")
+        fields = transport.proc_stat(self.trainer_pid)
+        return not fields or fields[0] not in (b"T", b"t")  # no /proc (not Linux): as alive as it is
 
     def trainer_gone(self) -> str | None:
         if os.getppid() != self.trainer_pid:
             return "its process ended"
         try:
             ready, _, _ = select.select([sys.stdin.buffer.fileno()], [], [], 0)
-            if ready and not os.read(sys.stdin.buffer.fileno(), 4096):
-                return "its process ended"
+            if ready:
+                data = os.read(sys.stdin.buffer.fileno(), 4096)
+                if not data:
+                    return "its process ended"
+                if b"D" in data and self.detached is None:
+                    self.detached = time.monotonic()
         except OSError:
             return "its process ended"
         return None
@@ -174,6 +177,9 @@ class Sidecar:
                 next_status = now + STATUS_S
                 counters = {**sender.counters, "history": len(sender._history), "history_bytes": sender._history_bytes}
                 self.ring.write_back(pack([STATUS, counters, sender.failed, sender.last_error]))
+            if self.detached is not None and self.stop_request is False and now > self.detached + STOP_DRAIN_S:
+                self.stop_request = ("finished", "closed")  # its STOP never came through: end anyway
+                self.stop_deadline = now
             if self.stop_request is not False:
                 late = self.stop_deadline is not None and now > self.stop_deadline
                 if late:
@@ -185,9 +191,9 @@ class Sidecar:
                         final = (final[0], f"{final[1]}; {self.dropped_at_stop} steps not sent (the sidecar was "
                                            "behind when the trainer stopped)")
                     sender.counters["dropped_queue"] += self.dropped_at_stop
-                    sender.stop(final=final, timeout=0.5)  # type: ignore[arg-type]
+                    sender.stop(final=final, timeout=1.5)  # type: ignore[arg-type]
                     return 0
-            if gone is not None or self.terminated:
+            if (gone is not None and self.detached is None) or self.terminated:
                 for payload in self.ring.read():  # what the trainer managed to hand over before it went
                     try:
                         self.dispatch(payload)

@@ -37,7 +37,8 @@ def closed(w: Watcher, crashed: str | None, stopped: str | None) -> None:
                      ("finished", f"stopped ({stopped}) after {step} steps") if stopped else
                      ("finished", f"{step} steps"))
             w.sender.stop(final=final, timeout=1.5)
-            if not w.sender.is_alive() and w._ctx is not None:
+            # a detached sidecar (still sending its backlog, in its own process) uses nothing of this context
+            if (not w.sender.is_alive() or getattr(w.sender, "detached", False)) and w._ctx is not None:
                 w._ctx.destroy(linger=0)
         stop_auth(w)
         if w.disabled_reason is None:
