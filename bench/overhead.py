@@ -49,11 +49,14 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from _models import Workload, lightning_monitor, make_workload, naive_monitor  # noqa: E402
+from _models import (  # noqa: E402
+    Workload, copy_floor_monitor, fused_monitor, lightning_monitor, make_workload, naive_monitor,
+)
 
-VARIANTS = ("bare", "bare_AA", "gradwatch+sub", "gradwatch", "naive_item", "lightning_grad_norm")
-#: Opt-in variants (``--variants``): gradwatch without the raw hand-off (``GRADWATCH_RAW=0``), to see what it buys.
-EXTRA_VARIANTS = ("gradwatch_noraw",)
+VARIANTS = ("bare", "bare_AA", "gradwatch+sub", "gradwatch", "naive_item", "fused_ref", "lightning_grad_norm")
+#: Opt-in variants (``--variants``): gradwatch without the raw hand-off (``GRADWATCH_RAW=0``), to see what it
+#: buys; the copy floor (every gradient read once plus a dot, nothing else: bench/_models.copy_floor_monitor).
+EXTRA_VARIANTS = ("gradwatch_noraw", "copy_floor")
 GW_VARIANTS = ("gradwatch+sub", "gradwatch", "gradwatch_noraw")
 #: Issue 13's targets for the whole-step mean ratio.
 TARGETS = {"tiny_mlp": 1.05, "mid_mlp": 1.02, "transformer": 1.01}
@@ -92,6 +95,7 @@ class Variant:
         self.x, self.y, self.loss_fn = wl.x, wl.y, wl.loss_fn
         self.monitor: Callable[[torch.Tensor], Any] | None = None
         self.gw: Any = None
+        self.close: Callable[[], None] | None = None
         self.sub: subprocess.Popen[str] | None = None
         self.steps: list[list[float]] = []  # per round: step times (s)
         self.segs: list[float] = []
@@ -175,6 +179,10 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             v.monitor = naive_monitor(v.model)
         elif v.name == "lightning_grad_norm":
             v.monitor = lightning_monitor(v.model)
+        elif v.name == "fused_ref":
+            v.monitor, v.close = fused_monitor(v.model)
+        elif v.name == "copy_floor":
+            v.monitor = copy_floor_monitor(v.model)
         elif v.name in GW_VARIANTS:
             kw = {} if args.detail_every is None else {"detail_every": args.detail_every}
             if v.name == "gradwatch_noraw":
@@ -217,6 +225,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     sub_report: dict[str, Any] | None = None
     gw_info: dict[str, Any] = {}
     for v in variants.values():
+        if v.close is not None:
+            v.close()
         if v.gw is not None:
             published = v.gw._collector.published
             counters = dict(v.gw.sender.counters) if v.gw.sender is not None else {}
@@ -235,6 +245,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     bare_all = [t for blk in bare_blocks for t in blk]
     bare_med = statistics.median(bare_all)
     bare_p99 = pct(bare_all, 0.99)
+    # each step over its round's bare median: the box's drift between rounds (slow hours) leaves the tail
+    bare_meds = [statistics.median(bb) for bb in bare_blocks]
+    bare_norm_p99 = pct([t / m for blk, m in zip(bare_blocks, bare_meds) for t in blk], 0.99)
     rows: dict[str, Any] = {}
     for vn, v in variants.items():
         ratios_mean = [statistics.fmean(b) / statistics.fmean(bb) for b, bb in zip(v.steps, bare_blocks)]
@@ -252,6 +265,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             # tail steps: the p99 of every timed step of the variant over the bare loop's p99 (same rounds)
             "step_p99_ms": pct(all_steps, 0.99) * 1e3, "p99_ratio": pct(all_steps, 0.99) / bare_p99,
             "tail_ratio": statistics.median(ratios_tail),
+            "p99_norm_ratio": pct([t / m for blk, m in zip(v.steps, bare_meds) for t in blk], 0.99) / bare_norm_p99,
             "segment_median_us": seg_med * 1e6, "segment_mean_trimmed_us": seg_mean * 1e6,
             "segment_max_us": max(v.segs) * 1e6,
             "segment_ratio": 1 + seg_med / bare_med, "segment_ratio_amortized": 1 + seg_mean / bare_med,
@@ -278,7 +292,7 @@ def print_table(res: dict[str, Any]) -> None:
           f"bare step median {res['bare_step_median_ms']:.2f} ms; {res['rounds']} rounds x {res['steps_per_block']} steps; "
           f"1-min load {res['load_1min'][0]:.2f}-{res['load_1min'][1]:.2f}")
     hdr = (f"{'model':<12} {'variant':<20} {'median ratio':>12} {'min':>7} {'max':>7} {'p25-p75':>13} "
-           f"{'p99 ratio':>9} {'tail p90':>8} {'segment ratio':>13} {'seg amort.':>10} {'seg med µs':>10}  target")
+           f"{'p99 ratio':>9} {'p99 norm':>8} {'tail p90':>8} {'segment ratio':>13} {'seg amort.':>10} {'seg med µs':>10}  target")
     print(hdr)
     print("-" * len(hdr))
     for vn, r in res["variants"].items():
@@ -286,7 +300,7 @@ def print_table(res: dict[str, Any]) -> None:
         if "target" in r and r["target"] is not None:
             verdict = f"<= {r['target']:.2f}: {r['verdict_ratio']} (segment {r['verdict_segment']})"
         print(f"{name:<12} {vn:<20} {r['ratio_median']:>12.3f} {r['ratio_min']:>7.3f} {r['ratio_max']:>7.3f} "
-              f"{r['ratio_p25']:>6.3f}-{r['ratio_p75']:<6.3f} {r['p99_ratio']:>9.3f} {r['tail_ratio']:>8.3f} {r['segment_ratio']:>13.4f} "
+              f"{r['ratio_p25']:>6.3f}-{r['ratio_p75']:<6.3f} {r['p99_ratio']:>9.3f} {r['p99_norm_ratio']:>8.3f} {r['tail_ratio']:>8.3f} {r['segment_ratio']:>13.4f} "
               f"{r['segment_ratio_amortized']:>10.4f} {r['segment_median_us']:>10.1f}  {verdict}")
     sub = res["variants"].get("gradwatch+sub", {}).get("subscriber")
     if sub is not None:
@@ -342,7 +356,8 @@ def main() -> int:
         results.append(bench_model(m, args))
     print("\n" + "=" * 100)
     print("ratio = median over rounds of (variant block mean step / bare block mean step), min/max over rounds; "
-          "p99 ratio = p99 of all the variant's steps / p99 of all bare steps; tail p90 = median over rounds of "
+          "p99 ratio = p99 of all the variant's steps / p99 of all bare steps; p99 norm = the same with every step "
+          "divided by its round's bare median first (drift between rounds removed); tail p90 = median over rounds of "
           "(p90 of the variant's block / p90 of bare's block in the same round); "
           "segment ratio = 1 + median segment / median bare step; seg amort. = same with the 1%-trimmed mean segment "
           "(includes gradwatch's detail steps)")
