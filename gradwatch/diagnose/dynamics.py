@@ -37,6 +37,8 @@ class DyingRules:
         self._mods = max(len(facts.modules), 1)
         self._counts = np.bincount(facts.module_of[self._module_ok], minlength=self._mods)
         self._open: set[int] = set()  # modules with an open dead_grad episode
+        self._detached_run = 0  # steps the detached modules' parameters have had no gradient (see _detached)
+        self._detached_step: int | None = None
 
     def observe(self, v: View, out: list[Alert]) -> None:
         if v.total is None:
@@ -46,6 +48,7 @@ class DyingRules:
         if v.full:
             self._starved(v, out)
             self._dead(v, out)
+            self._detached(v, out)
 
     def _saturation(self, v: View, out: list[Alert]) -> None:
         """(All but) exactly zero gradients everywhere while the loss is not zero. 1e-20 counts as zero (a
@@ -170,3 +173,36 @@ class DyingRules:
             "dead_grad", step, f"{f.module_name(causal)} ({f.modules[causal].type if causal >= 0 else '?'}): every "
             f"gradient exactly 0 for {t.dead_steps} steps while the rest of the network learns -- its output is dead"
             f"{starved}", layer=f.names[main], evidence=ev))
+
+    def _detached(self, v: View, out: list[Alert]) -> None:
+        """Modules the first step ran without autograd after a learning module (publisher/first_step.py)
+        whose parameters still get no gradient at all (``.grad`` None) while the rest learns: a branch cut
+        from the graph (a ``torch.no_grad()`` around it), so they never train. Named: the last of them to
+        run, whose output is the one that joins the network."""
+        f, t, step = self.f, self.t, v.step
+        if not f.detached:
+            return
+        gap = step - self._detached_step if self._detached_step is not None else 1
+        self._detached_step = step
+        idx = f.detached
+        starved = bool(v.nograd[idx].all()) and bool(v.total) and not bool(v.nograd.all())
+        self._detached_run = self._detached_run + max(1, gap) if starved else 0
+        last = int(f.module_of[idx[-1]])
+        if not self.ep(("dead_grad", last), self._detached_run >= t.dead_steps, step) or not starved:
+            return
+        mods: list[int] = []
+        for i in idx:
+            m = int(f.module_of[i])
+            if m not in mods:
+                mods.append(m)
+        before = [f.module_name(m) for m in mods if m != last]
+        also = f"; before it in the same step, also without autograd: {', '.join(before[:5])}" + (
+            f" (+{len(before) - 5} more)" if len(before) > 5 else "") if before else ""
+        main = next((i for i in idx if int(f.module_of[i]) == last and f.names[i].endswith("weight")), idx[-1])
+        out.append(self.alert(
+            "dead_grad", step, f"{f.module_name(last)} ({f.modules[last].type if last >= 0 else '?'}) runs its forward "
+            f"with autograd off (torch.no_grad() or inference_mode) after layers that learn: its output joins the "
+            f"network but carries no gradient, so its parameters have had none for {self._detached_run} steps and "
+            f"never train{also}", layer=f.names[main],
+            evidence={"steps": float(self._detached_run), "params": float(len(idx)), "modules": float(len(mods))}))
+

@@ -64,6 +64,11 @@ class Diagnoser:
     def set_backward_order(self, order: Iterable[int] | None) -> None:
         self.facts.set_backward_order(order)
 
+    def set_detached(self, idx: Iterable[int]) -> None:
+        """Parameters of modules the first step ran without autograd after a learning module
+        (publisher/first_step.py): a branch cut from the graph, if they never get a gradient."""
+        self.facts.set_detached(idx)
+
     def silence(self, kind: str | None = None, layer: str | None = None) -> None:
         if kind:
             self.silenced_kinds.add(kind)

@@ -59,6 +59,11 @@ class RunFacts:
         self.none.flags.writeable = False
         self.empty = np.zeros(0, dtype=np.int64)
         self.set_backward_order(backward_order)
+        self.detached: list[int] = []
+
+    def set_detached(self, idx: Iterable[int]) -> None:
+        """Parameters whose module ran its forward without autograd after a learning one, in run order."""
+        self.detached = [int(i) for i in idx if 0 <= int(i) < self.n]
 
     def set_backward_order(self, order: Iterable[int] | None) -> None:
         idx = [int(i) for i in order] if order is not None else []

@@ -97,12 +97,13 @@ KINDS: dict[str, Kind] = {
         "learning rate will not help.",
         ("activation", "initialisation", "learning_rate")),
     "dead_grad": Kind(
-        "warning", "one layer's gradient is exactly 0 for many steps while others learn",
-        "a dead layer: e.g. ReLU units that never fire, or a branch cut from the graph; the layer named is the one "
-        "whose output is dead (the last, in forward order, whose every parameter gets zero gradient), not the "
-        "layers it starves",
+        "warning", "one layer's gradient is exactly 0 (or never there at all) for many steps while others learn",
+        "a dead layer: e.g. ReLU units that never fire, or a branch cut from the graph (a torch.no_grad() or "
+        "detach() around a module in the middle of the network: its parameters get no gradient at all); the layer "
+        "named is the one whose output is dead (the last, in forward order, whose every parameter gets zero or no "
+        "gradient), not the layers it starves",
         "Check that layer's initialisation and bias, use LeakyReLU/GELU, lower the learning rate that killed it, "
-        "or look for a detach(). Clipping will not help.",
+        "or look for a detach() or torch.no_grad() around it. Clipping will not help.",
         ("activation", "initialisation", "learning_rate")),
     "saturation": Kind(
         "warning", "the total gradient norm is exactly 0 for many steps while the loss stays high",

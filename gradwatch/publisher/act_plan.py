@@ -35,6 +35,10 @@ class ActivationPlan:
         self._request = 0  # armed from the viewer (control thread); taken at the next boundary
         self._silent = 0  # consecutive hooked steps in which no forward hook ran
         self._emit = emit
+        #: The model runs compiled with gradwatch's first-step hooks traced in (first_step.py): hooks added
+        #: now would never be called and would recompile it, so none is added (said once per wish).
+        self.compiled = False
+        self._next = 0  # the step the hooks would be for
         if every:
             probe.attach()
 
@@ -44,7 +48,15 @@ class ActivationPlan:
 
     def arm(self, steps: int) -> None:
         self.armed = max(self.armed, int(steps))
-        self.probe.attach()
+        self._attach(self._next)
+
+    def _attach(self, step: int) -> None:
+        if not self.compiled or self.probe.attached:
+            self.probe.attach()
+            return
+        self._silent += 1  # wanted, refused: the same reason as hooks that never run
+        if self._silent == ACT_SILENT_STEPS:
+            self._emit("warning", step, ACT_SILENT_MESSAGE, {"steps": ACT_SILENT_STEPS})
 
     def request(self, probe: str, steps: int) -> str:
         """Control thread: never touch hooks here."""
@@ -60,8 +72,9 @@ class ActivationPlan:
         every = self._publish_every
         want = self.armed > 0 or (bool(self.every) and next_step % every == 0
                                   and (next_step // every) % self.every == 0)
+        self._next = next_step
         if want:
-            self.probe.attach()
+            self._attach(next_step)
         elif self.probe.attached:
             self.probe.detach()
 

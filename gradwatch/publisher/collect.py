@@ -17,6 +17,7 @@ import torch
 
 from gradwatch.publisher.act_plan import ActivationPlan
 from gradwatch.publisher.data_stats import data_stats
+from gradwatch.publisher.first_step import FirstStep
 from gradwatch.publisher.probes import GradProbe, Parts, RateCache, hyper_of, scalar_part
 from gradwatch.publisher.raw import raw_boundary, settle_only
 from gradwatch.publisher.trouble import AUTO_ARM_STEPS, TroubleCheck, is_detail
@@ -46,8 +47,7 @@ class Collector:
         self._missed: dict[str, int] = {}
         self._missed_dev: dict[str, torch.Tensor] = {}
         self.user: dict[str, Any] = {}
-        self.bw_order: list[int] = []
-        self.bw_hooks: list[Any] = []
+        self.first = FirstStep()  # the first step's hooks: backward order, modules run without autograd
         self.clip_due: int | None = None  # explicit mode: measure the norm before optimizer.step() of this step
         self._clip: tuple[int, torch.Tensor] | None = None
         self._rates = RateCache()  # the learning rates of non-detail steps, rebuilt only when one changed
@@ -56,29 +56,6 @@ class Collector:
         self.raw_submit: Callable[[bytes], bool] | None = None
         self.raw_steps = 0  # steps that went through it (a counter the viewer sees as ``raw_steps``)
         self._raw_snap = False  # the last boundary was a raw detail step whose snapshot the sidecar holds
-
-    # ------------------------------------------------------------------ backward order (first step only)
-
-    def learn_backward_order(self, params: list[torch.nn.Parameter]) -> None:
-        """Record, once, the order in which backward produces the gradients (post-accumulate hooks on
-        the first backward only): "the first parameter to go non-finite in backward order" is where a
-        NaN entered backward. The hooks are removed at the first boundary."""
-        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-            return
-        order = self.bw_order
-        try:
-            for i, p in enumerate(params):
-                self.bw_hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: order.append(i)))
-        except Exception:  # noqa: BLE001 - without the order, reverse registration order is the fallback
-            self.drop_bw_hooks()
-
-    def drop_bw_hooks(self) -> None:
-        for h in self.bw_hooks:
-            try:
-                h.remove()
-            except Exception:  # noqa: BLE001
-                pass
-        self.bw_hooks.clear()
 
     # ------------------------------------------------------------------ the boundary
 
@@ -170,10 +147,9 @@ class Collector:
         self._missed_dev = {}
         if self._missed:
             meta["missed"], self._missed = self._missed, {}
-        if self.bw_hooks:
-            self.drop_bw_hooks()
-            seen: set[int] = set()
-            meta["backward_order"] = [i for i in self.bw_order if not (i in seen or seen.add(i))]
+        if self.first.pending:
+            self.first.take(meta, self.probe.params)
+            self.acts.compiled = self.first.compiled
         if self.user:
             meta["user"] = plain_scalars(self.user, parts)
             self.user = {}

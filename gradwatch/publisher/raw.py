@@ -111,7 +111,7 @@ def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any
     the sidecar holds the last step's snapshot, so the weights travel for its difference.
     Every line here runs with caches cold from backward (each call 1-15 us): keep them few."""
     raw = col.raw
-    if (col.scaler is not None or col.user or col._missed or col._missed_dev or col.bw_hooks
+    if (col.scaler is not None or col.user or col._missed or col._missed_dev or col.first.pending
             or col.acts.probe.attached or col.probe.branchless or not col.probe._lean.ok):
         return False
     got = raw.table.acquire()

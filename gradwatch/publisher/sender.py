@@ -275,6 +275,8 @@ class Sender(threading.Thread):
         body = msgpack.packb(protocol.step_body(step), use_bin_type=True)
         self._remember(body)  # before the diagnosis: a flight record includes the step that raised it
         if self.cfg.diagnoser is not None:
+            if "detached" in item.meta:
+                self.cfg.diagnoser.set_detached(item.meta["detached"])
             events += self._diagnose(step, item.meta.get("backward_order"), events, bool(item.meta.get("scan")))
         self._last_step = step.step
         self._batch.append(body)

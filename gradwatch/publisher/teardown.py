@@ -53,7 +53,7 @@ def remove_hooks(w: Watcher) -> None:
             w._cleanups.pop()()
         except Exception:  # noqa: BLE001
             pass
-    w._collector.drop_bw_hooks()
+    w._collector.first.close()
     w._boundaries.detach()
     w._acts.probe.detach()
 

@@ -111,7 +111,7 @@ class Watcher:
             diagnose=cfg.diagnose is not False, detail_every=detail_every,
         )
         if cfg.diagnose is not False:
-            self._collector.learn_backward_order(params)
+            self._collector.first.learn(model, params)
         if not open_transport(self):
             return
         self._boundaries.attach(optimizer, scaler)

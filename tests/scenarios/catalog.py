@@ -21,6 +21,7 @@ from typing import Any, Callable
 from scenarios import badvalues as V
 from scenarios import blowups as B
 from scenarios import classic as C
+from scenarios import detached as D
 from scenarios import healthy as H
 from scenarios.runner import Scenario
 
@@ -71,6 +72,13 @@ CASES: list[Case] = [
     _c("dead-relu-plain-s1", "dead layer", partial(B.dead_relu_plain, seed=1), "dead_grad", "fc1.weight", (20, 24)),
     _c("dead-conv-s0", "dead layer", partial(B.dead_conv, seed=0), "dead_grad", "conv1.weight", (20, 24)),
     _c("dead-relu-residual-s0", "dead layer", partial(C.dead_relu, seed=0), "dead_grad", "blocks.1.weight", (20, 24)),
+    # a branch run under torch.no_grad() in the middle of the network: no gradient at all (.grad None)
+    _c("nograd-branch-mlp-b1-s0", "dead layer", partial(D.nograd_branch_mlp, seed=0, cut=1), "dead_grad",
+       "blocks.1.weight", (15, 30), nonfinite_at=None),
+    _c("nograd-branch-mlp-b2-s1", "dead layer", partial(D.nograd_branch_mlp, seed=1, cut=2), "dead_grad",
+       "blocks.2.weight", (15, 30), nonfinite_at=None),
+    _c("nograd-side-conv-s0", "dead layer", partial(D.nograd_side_conv, seed=0), "dead_grad", "side_conv.weight",
+       (15, 30), nonfinite_at=None),
     # 3. a weight poisoned between two steps
     _c("poisoned-weight-mlp-s0", "poisoned weight", partial(V.poisoned_weight_mlp, seed=0), "nonfinite_param",
        "fc1.weight", (40, 40), nonfinite_at=40),
@@ -140,11 +148,13 @@ HEALTHY: dict[str, Callable[[], Scenario]] = {
     "healthy-article-mlp": C.healthy_mlp,
     "healthy-regression": C.healthy_regression,
     "healthy-lm": C.healthy_lm,
+    "healthy-frozen-backbone-nograd": D.frozen_backbone,
+    "healthy-unused-pooler": D.unused_pooler,
 }
 
 #: Every builder by name, for ``python tests/_scenarios.py NAME``.
 ALL_BUILDERS: dict[str, Callable[..., Scenario]] = {
-    **{name: getattr(mod, name) for mod in (B, V, C) for name in dir(mod)
+    **{name: getattr(mod, name) for mod in (B, V, C, D) for name in dir(mod)
        if not name.startswith("_") and callable(getattr(mod, name))
        and getattr(getattr(mod, name), "__module__", "") == mod.__name__
        and getattr(getattr(mod, name), "__annotations__", {}).get("return") in ("Scenario", Scenario)},
