@@ -9,6 +9,8 @@ whose output the loss never uses (a pooler: ``.grad`` None too).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -59,25 +61,26 @@ class BranchConv(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
+def _run(name: str, model: Any, data: Any, opt: Any, loss: Any, seed: int, steps: int) -> Scenario:
+    """Seeded: ``model()``, ``data(gen)`` -> (x, y), ``opt(params)``; batches of 32, shuffled."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    m = model()
+    x, y = data(gen)
+    return Scenario(name, m, opt(m.parameters()), loss, M.shuffled(x, y, gen, 32), steps)
+
+
 def nograd_branch_mlp(seed: int = 0, steps: int = 200, cut: int = 1) -> Scenario:
     """:class:`BranchMLP` with block ``cut`` under no_grad, Adam 1e-3, MSE regression: the loss falls
     while ``blocks.{cut}`` never gets a gradient."""
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = BranchMLP(cut)
-    x, y = M.regression(gen)
-    return Scenario(f"nograd-branch-mlp-{cut}", model, torch.optim.Adam(model.parameters(), lr=1e-3), M.mse,
-                    M.shuffled(x, y, gen, 32), steps)
+    return _run(f"nograd-branch-mlp-{cut}", lambda: BranchMLP(cut), M.regression,
+                lambda p: torch.optim.Adam(p, lr=1e-3), M.mse, seed, steps)
 
 
 def nograd_side_conv(seed: int = 0, steps: int = 200) -> Scenario:
     """:class:`BranchConv`, SGD 0.05 momentum 0.9, images: ``side_norm`` and ``side_conv`` never train."""
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = BranchConv()
-    x, y = M.images(gen)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return Scenario("nograd-side-conv", model, opt, M.ce, M.shuffled(x, y, gen, 32), steps)
+    return _run("nograd-side-conv", BranchConv, M.images, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                M.ce, seed, steps)
 
 
 class FrozenBackbone(nn.Module):
@@ -114,19 +117,11 @@ class UnusedPooler(nn.Module):
 
 def frozen_backbone(seed: int = 0, steps: int = 2000) -> Scenario:
     """:class:`FrozenBackbone` on Gaussian blobs, AdamW 1e-3: the head learns, the backbone stays put."""
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = FrozenBackbone()
-    x, y = M.classes(gen)
-    return Scenario("healthy-frozen-backbone-nograd", model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                    M.ce, M.shuffled(x, y, gen, 32), steps)
+    return _run("healthy-frozen-backbone-nograd", FrozenBackbone, M.classes,
+                lambda p: torch.optim.AdamW(p, lr=1e-3), M.ce, seed, steps)
 
 
 def unused_pooler(seed: int = 0, steps: int = 2000) -> Scenario:
     """:class:`UnusedPooler` on Gaussian blobs, Adam 1e-3."""
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = UnusedPooler()
-    x, y = M.classes(gen)
-    return Scenario("healthy-unused-pooler", model, torch.optim.Adam(model.parameters(), lr=1e-3), M.ce,
-                    M.shuffled(x, y, gen, 32), steps)
+    return _run("healthy-unused-pooler", UnusedPooler, M.classes, lambda p: torch.optim.Adam(p, lr=1e-3), M.ce,
+                seed, steps)
