@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradwatch.procs import cpu_ticks, pid_alive, pid_start, proc_stat  # noqa: F401 - re-exported
 from gradwatch.protocol import PROTOCOL_VERSION
+
+_pid_start = pid_start  # the name the publisher and the benches use
 
 IPC_PATH_MAX = 107  # sun_path is 108 bytes including the NUL; libzmq refuses longer
 KEEP_ENDED_S = 7 * 24 * 3600  # connection files of ended runs are pruned after a week
@@ -189,54 +192,6 @@ def check_endpoint(endpoint: str) -> str | None:
 
 def new_run_id() -> str:
     return secrets.token_hex(6)
-
-
-def proc_stat(pid: int) -> list[bytes] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (state first: index 0 is field 3), or None
-    (no such process, not Linux). The name is cut at the *last* ")": it may itself hold ") "."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return data[data.rindex(b")") + 2 :].split()
-    except (OSError, ValueError):
-        return None
-
-
-def _pid_start(pid: int) -> int | None:
-    """Process start time in clock ticks (Linux), to tell a live pid from a reused one."""
-    fields = proc_stat(pid)
-    try:
-        return int(fields[19]) if fields is not None else None
-    except (ValueError, IndexError):
-        return None
-
-
-def cpu_ticks(pid: int) -> int | None:
-    """User + system CPU time of a process in clock ticks: it grows while the process works."""
-    fields = proc_stat(pid)
-    try:
-        return int(fields[11]) + int(fields[12]) if fields is not None else None
-    except (ValueError, IndexError):
-        return None
-
-
-def pid_alive(pid: int, pid_start: int | None = None) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    if pid_start is not None:
-        now = _pid_start(pid)
-        if now is not None and now != pid_start:
-            return False
-    fields = proc_stat(pid)  # a zombie (exited, not yet reaped) is not a live run
-    return not (fields and fields[0] == b"Z")
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import msgpack
 
+from gradwatch.procs import cpu_ticks
 from gradwatch.publisher.ring import Ring
-from gradwatch.transport import cpu_ticks
 
 # record kinds, trainer -> sidecar
 WORK, EVENT, COUNTERS, STOP, CONN, RAW = 0, 1, 2, 3, 4, 5

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from gradwatch import protocol, transport
+from gradwatch.procs import proc_stat
 from gradwatch.publisher.handoff import ALERT, CONN, COUNTERS, EVENT, RAW, STATUS, STOP, WORK, pack, unpack
 from gradwatch.publisher.ring import Ring
 from gradwatch.publisher.slots import W_ONLY, SlotReader, SlotSpec, decode_raw
@@ -138,7 +139,7 @@ class Sidecar:
 
     def trainer_running(self) -> bool:
         """False while the trainer is stopped (SIGSTOP, Ctrl-Z) or held by a tracer: no heartbeat then."""
-        fields = transport.proc_stat(self.trainer_pid)
+        fields = proc_stat(self.trainer_pid)
         return not fields or fields[0] not in (b"T", b"t")  # no /proc (not Linux): as alive as it is
 
     def trainer_gone(self) -> str | None:

@@ -70,14 +70,14 @@ def _run(name: str, model: Any, data: Any, opt: Any, loss: Any, seed: int, steps
     return Scenario(name, m, opt(m.parameters()), loss, M.shuffled(x, y, gen, 32), steps)
 
 
-def nograd_branch_mlp(seed: int = 0, steps: int = 200, cut: int = 1) -> Scenario:
+def nograd_branch_mlp(seed: int = 0, steps: int = 80, cut: int = 1) -> Scenario:
     """:class:`BranchMLP` with block ``cut`` under no_grad, Adam 1e-3, MSE regression: the loss falls
     while ``blocks.{cut}`` never gets a gradient."""
     return _run(f"nograd-branch-mlp-{cut}", lambda: BranchMLP(cut), M.regression,
                 lambda p: torch.optim.Adam(p, lr=1e-3), M.mse, seed, steps)
 
 
-def nograd_side_conv(seed: int = 0, steps: int = 200) -> Scenario:
+def nograd_side_conv(seed: int = 0, steps: int = 80) -> Scenario:
     """:class:`BranchConv`, SGD 0.05 momentum 0.9, images: ``side_norm`` and ``side_conv`` never train."""
     return _run("nograd-side-conv", BranchConv, M.images, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
                 M.ce, seed, steps)
