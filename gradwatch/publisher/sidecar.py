@@ -38,7 +38,7 @@ POLL_S = 0.01
 #: The sidecar reports its counters to the trainer this often.
 STATUS_S = 0.25
 #: After the trainer's stop, what the ring still holds is sent for at most this long; the rest is dropped
-#: and counted. The trainer's close() waits only 1.5 s: a sidecar still busy then is left to finish on its
+#: and counted. The trainer's close() waits only 1 s: a sidecar still busy then is left to finish on its
 #: own (``D`` on its stdin, then end-of-file: handoff.SidecarSender._detach), so that the last steps before
 #: the end -- those right after an incident, often -- reach the viewer and the recording.
 STOP_DRAIN_S = 5.0

@@ -36,7 +36,7 @@ def closed(w: Watcher, crashed: str | None, stopped: str | None) -> None:
             final = (("crashed", crashed) if crashed else
                      ("finished", f"stopped ({stopped}) after {step} steps") if stopped else
                      ("finished", f"{step} steps"))
-            w.sender.stop(final=final, timeout=1.5)
+            w.sender.stop(final=final, timeout=1.0)  # a sidecar still busy then finishes on its own
             # a detached sidecar (still sending its backlog, in its own process) uses nothing of this context
             if (not w.sender.is_alive() or getattr(w.sender, "detached", False)) and w._ctx is not None:
                 w._ctx.destroy(linger=0)
