@@ -10,7 +10,8 @@
   the input is not one: nothing trainable runs before it. A module whose output is merely unused (a
   pooler) runs *with* autograd and is not one either.
 
-Every hook is removed at the first boundary (:meth:`FirstStep.take`), so later steps pay nothing.
+Every hook is removed at the first boundary (:meth:`FirstStep.take`), so later steps pay nothing --
+except under ``torch.compile``, where removing them would recompile the model (docs/design.md, Torch 9).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class FirstStep:
     def _forward(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
         index = {id(p): i for i, p in enumerate(params)}
         runs, owners = self.fw_runs, self._owners
+        compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
         for mod in model.modules():
             own = [index[id(p)] for p in mod.parameters(recurse=False) if id(p) in index]
             if not own:
@@ -62,11 +64,14 @@ class FirstStep:
             owners[id(mod)] = own
 
             def hook(m: Any, _inp: Any, _out: Any) -> None:
-                if torch.compiler.is_compiling():
+                if compiling():
                     return  # traced as a constant: nothing in the graph
-                own = owners.pop(id(m), None)  # each module once
-                if own is not None:
-                    runs.append((own, torch.is_grad_enabled()))
+                try:  # inside the user's forward: never raise
+                    own = owners.pop(id(m), None)  # each module once
+                    if own is not None:
+                        runs.append((own, torch.is_grad_enabled()))
+                except Exception:  # noqa: BLE001
+                    pass
 
             self._fw_hooks.append(mod.register_forward_hook(hook))
         self.hooks += self._fw_hooks
