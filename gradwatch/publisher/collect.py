@@ -66,6 +66,12 @@ class Collector:
         vec = self.probe._norm_vec(grads, 2.0, all(g is not None for g in grads))
         self._clip = (step, torch.linalg.vector_norm(vec))
 
+    def hyper(self, detail: bool) -> tuple[list[dict[str, float]], list[tuple[int, str, torch.Tensor]]]:
+        """The optimizer's hyper-parameters for this step: every one on detail steps, else the learning
+        rates (cached while unchanged). Both paths of the boundary take them from here."""
+        groups = self.optimizer.param_groups
+        return hyper_of(groups, full=True) if detail else self._rates.rates(groups)
+
     def take_clip(self, parts: Parts, meta: dict[str, Any]) -> None:
         """The clipped total the optimizer hook measured after the last detail step goes with this step."""
         if self._clip is not None:
@@ -111,8 +117,7 @@ class Collector:
                 meta["scaled"] = self._grads_scaled()
         if self.optimizer is not None:
             # every step: the learning rates; on detail steps: every hyper-parameter (the sender fills in)
-            groups = self.optimizer.param_groups
-            hyper, tensors = hyper_of(groups, full=True) if detail else self._rates.rates(groups)
+            hyper, tensors = self.hyper(detail)
             meta["opt"] = hyper
             if tensors:
                 meta["opt_tensors"] = [(gi, k) for gi, k, _ in tensors]

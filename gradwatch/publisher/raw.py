@@ -22,7 +22,7 @@ import torch
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
-from gradwatch.publisher.hyper import hyper_of
+from gradwatch.publisher.hyper import scalar_part
 from gradwatch.publisher.parts import Parts
 from gradwatch.publisher.slots import (
     _LINE, DATA_MAX, W_DETAIL, W_ONLY, W_SETTLE, W_SNAP, SlotSpec, SlotTable, encode_raw,
@@ -118,21 +118,18 @@ def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any
     if got is None or (detail and col.probe.update_ratio and not raw.table.next_free()):
         return False  # a detail step keeps the next slot free for its settle
     loss_f: float | None = None
-    if isinstance(loss, torch.Tensor):
-        if loss.device.type != "cpu":
+    lp = scalar_part(loss)
+    if lp is not None:
+        if lp.device.type != "cpu":
             return False
-        loss_f = loss.item() if loss.numel() == 1 else loss.detach().float().mean().item()  # as scalar_part
+        loss_f = lp.item()
     elif loss is not None:
         loss_f = float(loss)
     lrs: list[Any] = []
     hyper: Any = None
     if col.optimizer is not None:
-        if detail:
-            hyper, tensors = hyper_of(col.optimizer.param_groups, full=True)
-            lrs = None
-        else:
-            hyper, tensors = col._rates.rates(col.optimizer.param_groups)
-            lrs = col._rates.plain_lrs()
+        hyper, tensors = col.hyper(detail)
+        lrs = None if detail else col._rates.plain_lrs()
         if tensors:
             return False
     grads: list[Any] = list(map(_GRAD, col.probe.params))
