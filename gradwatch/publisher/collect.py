@@ -49,7 +49,7 @@ class Collector:
         self.user: dict[str, Any] = {}
         self.first = FirstStep()  # the first step's hooks: backward order, modules run without autograd
         self.clip_due: int | None = None  # explicit mode: measure the norm before optimizer.step() of this step
-        self._clip: tuple[int, torch.Tensor] | None = None
+        self._clip: tuple[int, Any] | None = None
         self._rates = RateCache()  # the learning rates of non-detail steps, rebuilt only when one changed
         #: The raw hand-off (:mod:`.raw`), set by the wiring when a sidecar has slots for this model.
         self.raw: Any = None
@@ -60,9 +60,15 @@ class Collector:
     # ------------------------------------------------------------------ the boundary
 
     def measure_clip(self) -> None:
-        """Explicit mode, detail steps: the total norm after the user's clipping, before the update."""
+        """Explicit mode, detail steps: the total norm after the user's clipping, before the update. With
+        the raw hand-off, the raw path's own copy and dot (~25 us against ~110 us of norms with caches cold)."""
         step, self.clip_due = self.clip_due, None
         grads = [p.grad for p in self.probe.params]
+        if self.raw is not None:
+            sq = self.raw.sumsq(grads)
+            if sq is not None:
+                self._clip = (step, (math.sqrt(sq) if sq >= 0 else math.nan,))
+                return
         vec = self.probe._norm_vec(grads, 2.0, all(g is not None for g in grads))
         self._clip = (step, torch.linalg.vector_norm(vec))
 

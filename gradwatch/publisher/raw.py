@@ -53,6 +53,8 @@ class RawHandoff:
         self._views = [self._tensor_views(s, 0) for s in self._slots]
         self._wviews = [self._tensor_views(s, spec.n) for s in self._slots]
         self._data_views: list[dict[tuple[Any, ...], list[torch.Tensor]]] = [{} for _ in range(spec.k)]
+        self._scratch: torch.Tensor | None = None  # the clipped total's copy (sumsq)
+        self._scratch_views: list[torch.Tensor] = []
 
     def _tensor_views(self, slot: torch.Tensor, pos: int) -> list[torch.Tensor]:
         vs = []
@@ -92,6 +94,18 @@ class RawHandoff:
         n = sum(b.numel() for b in batches)
         return sq, math.isfinite(sum(self._data_mv[slot][:n]))
 
+
+    def sumsq(self, grads: list[Any]) -> float | None:
+        """The float32 sum of squares of ``grads`` (the clipped total, :meth:`.Collector.measure_clip`), through
+        a private copy like a slot's; None when they do not fit the slots' layout (a missing gradient)."""
+        if any(g is None for g in grads) or grads[0].dtype not in _EXACT:
+            return None
+        if self._scratch is None:
+            self._scratch = torch.empty(self.spec.n)
+            self._scratch_views = self._tensor_views(self._scratch, 0)
+        with torch.no_grad():
+            torch._foreach_copy_(self._scratch_views, grads)
+        return torch.dot(self._scratch, self._scratch).item()
 
     def load_weights(self, slot: int) -> None:
         """Only the weights (a settle-only record), grad mode off."""

@@ -34,7 +34,7 @@ DATA_MAX = 128
 #: The raw hand-off only for models up to this many values (a slot per step is a copy of the gradients).
 RAW_MAX = 1 << 20
 #: Slots: enough to ride out a sidecar busy for a few steps; at most this many bytes of them in all.
-SLOTS_MAX, SLOTS_BYTES = 8, 32 << 20
+SLOTS_MAX, SLOTS_BYTES = 32, 32 << 20
 _Q = struct.Struct("<Q")
 _LINE = 64
 #: What a record asks of the slot's weights: a detail step's statistics (and gradient max-abs), keeping
@@ -92,34 +92,40 @@ class SlotSpec:
 
 
 class SlotTable:
-    """The trainer's bookkeeping: which slot it may write next (round robin, never one the sidecar reads)."""
+    """The trainer's bookkeeping: which slot it may write next (the lowest free one, never one the sidecar reads)."""
 
-    __slots__ = ("spec", "_mm", "_base", "_used", "_next")
+    __slots__ = ("spec", "_mm", "_base", "_used")
 
     def __init__(self, spec: SlotSpec, mm: Any, base: int) -> None:
         self.spec = spec
         self._mm = mm
         self._base = base
         self._used = [0] * spec.k  # the last seq written into each slot
-        self._next = 0
 
     def acquire(self) -> tuple[int, int] | None:
-        """(slot, seq) of a slot the sidecar is done with, or None (all in flight: take the ordinary path)."""
-        i = self._next
-        if _Q.unpack_from(self._mm, self._base + i * _LINE)[0] != self._used[i]:
+        """(slot, seq) of a slot the sidecar is done with, or None (all in flight: take the ordinary path).
+        The lowest free slot: while the sidecar keeps up that is the same one step after step, still in
+        the cache from the last copy; the others only take a backlog."""
+        i = self._free(-1)
+        if i < 0:
             return None
         _fence()  # the sidecar's reads of the slot happened before its release, our writes come after
         return i, self._used[i] + 1
 
     def next_free(self) -> bool:
-        """Whether the slot after the next one is free too (a raw detail step keeps one for its settle)."""
-        i = (self._next + 1) % self.spec.k
-        return _Q.unpack_from(self._mm, self._base + i * _LINE)[0] == self._used[i]
+        """Whether a second slot is free too (a raw detail step keeps one for its settle)."""
+        return self._free(self._free(-1)) >= 0
+
+    def _free(self, skip: int) -> int:
+        mm, base, used = self._mm, self._base, self._used
+        for i in range(self.spec.k):
+            if i != skip and _Q.unpack_from(mm, base + i * _LINE)[0] == used[i]:
+                return i
+        return -1
 
     def commit(self, i: int, seq: int) -> None:
         """The record naming (slot, seq) is in the ring: the slot is the sidecar's until it releases it."""
         self._used[i] = seq
-        self._next = (i + 1) % self.spec.k
 
 
 class SlotReader:

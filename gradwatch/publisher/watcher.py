@@ -78,6 +78,7 @@ class Watcher:
         self._control: Any = None  # ControlServer
         self._auth: CurveServer | None = None  # TCP runs only: keys + ZAP allow-list of both sockets
         self._pausectl: PauseControl | None = None
+        self._steady: Any = None  # the steady step (:mod:`.steady`), when the raw hand-off is on
         self._cleanups: list[Any] = []  # integrations: undo their wrappers when the run ends
         self._pause_names: dict[str, Any] = {}  # integrations: framework objects for pdb (trainer, accelerator)
 
@@ -128,6 +129,17 @@ class Watcher:
 
         Without ``loss``, the step's loss is the mean of those given to :meth:`log` since the last step
         (the micro-batches of gradient accumulation)."""
+        st = self._steady
+        if st is not None and st.armed:  # an ordinary step of a small CPU model (:mod:`.steady`)
+            try:
+                if st(loss, inputs, targets):
+                    return
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                st.armed = False
+                self._fail(exc)
+                return
         if not self._live() or self._boundaries.in_pause:
             return
         try:
@@ -247,6 +259,8 @@ class Watcher:
         self._guarded(self._collector.boundary, loss, inputs, targets, self._boundaries.explicit)
         if self._pausectl is not None:
             self._pause_point(loss, inputs, targets)
+        if self._steady is not None:
+            self._steady.arm()
 
     def _submit(self, frame: Any) -> None:
         sender = self.sender
@@ -275,7 +289,7 @@ class Watcher:
 
     def _counters(self) -> dict[str, int]:
         c = {"trainer_errors": self._errors, "steps": self._collector.step, "published": self._collector.published,
-             "raw_steps": self._collector.raw_steps}
+             "raw_steps": self._collector.raw_steps, "steady_steps": self._steady.served if self._steady is not None else 0}
         if self._control is not None:
             c["rejected_cmd"] = sum(self._control.rejected.values())
             c["cmd_rate_limited"] = self._control.rate_limited
@@ -337,6 +351,8 @@ class Watcher:
         if self.disabled_reason is not None:
             return
         self.disabled_reason = reason
+        if self._steady is not None:
+            self._steady.armed = False
         warn(reason, key=f"disabled-{id(self)}")
         teardown.disabled(self, reason)
 
@@ -344,4 +360,6 @@ class Watcher:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
+        if self._steady is not None:
+            self._steady.armed = False
         teardown.closed(self, crashed, stopped)

@@ -165,6 +165,10 @@ def _raw_on(w: Watcher, ring: Any, slots: Any) -> None:
     try:
         w._collector.raw = RawHandoff(w._probe.params, slots, ring.mm, ring.extra_at)
         w._collector.raw_submit = w._submit_raw
+        if os.environ.get("GRADWATCH_STEADY", "1") != "0":
+            from gradwatch.publisher.steady import SteadyStep
+
+            w._steady = SteadyStep(w)
     except Exception:  # noqa: BLE001 - without it every step takes the ordinary path
         w._collector.raw = None
 

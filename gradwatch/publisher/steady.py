@@ -1,0 +1,249 @@
+"""The steady step: ``gw.step()`` of a small CPU model on an ordinary step, in as few Python lines as it takes.
+
+Why (docs/design.md, "The steady step"; bench/README.md §1.4): on the tutorial MLP a training step takes
+about 1 ms and the copy of its gradients into a slot about 20 us, but the general boundary (``Watcher.step``
+-> ``Boundaries`` -> ``Collector.boundary`` -> ``raw_boundary`` -> the sender) ran ~60 Python lines more, each
+1-3 us with caches cold from backward: gradwatch cost 1.1x where the copy alone costs 1.02x. A *steady* step
+needs nothing but the raw hand-off: no trouble, no user scalars, no micro-batch losses, no activation
+hooks, no pause due (a detail step and the one after it add the weights to the copy and a msgpack record). Whatever can only change
+at a boundary is checked once, by :meth:`SteadyStep.arm` after each step the general path took; what can
+change between two boundaries (``gw.log``, a command from the viewer, an optimizer step, the slots, the
+learning rates, the batch's shape) is checked here on every step, and any doubt hands the step to the
+general path before a single piece of state has moved. The slot and the record are byte for byte those
+of :func:`~.raw.raw_boundary`, so the sidecar cannot tell the two apart (tests/test_steady.py).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import struct
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gradwatch.publisher.flat import _EXACT
+from gradwatch.publisher.handoff import RAW, pack
+from gradwatch.publisher.parts import Parts
+from gradwatch.publisher.raw import integer_flag
+from gradwatch.publisher.slots import _HEAD, _IN, _IN_INT, _LOSS, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP
+from gradwatch.publisher.trouble import FIRST_DETAIL
+
+if TYPE_CHECKING:
+    from gradwatch.publisher.watcher import Watcher
+
+_GRAD = operator.attrgetter("grad")
+_Tensor = torch.Tensor
+_set_grad = torch._C._set_grad_enabled
+_grad_on = torch.is_grad_enabled
+_copy = torch._foreach_copy_
+_dot = torch.dot
+_pack = _HEAD.pack
+_isfinite = math.isfinite
+_sqrt = math.sqrt
+
+
+class SteadyStep:
+    """The steady boundary of one :class:`~.watcher.Watcher` with a raw hand-off. ``armed``: the next
+    ``gw.step()`` may try it (set by :meth:`arm`, cleared on close, disable and on any error)."""
+
+    def __init__(self, w: Watcher) -> None:
+        col = w._collector
+        self.w = w
+        self.col = col
+        self.b = w._boundaries
+        self.raw = col.raw
+        self.table = col.raw.table
+        self.params = col.probe.params
+        self.pid = w._pid
+        self.armed = False
+        self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
+        self._lr_key: list[Any] | None = None
+        self._lr_bytes = b""
+        self._groups = 0
+        #: (inputs key, targets key) -> [flags, inputs' count, targets' count, values, per-slot destinations, data]
+        self._batches: dict[tuple[Any, Any], list[Any]] = {}
+
+    # ------------------------------------------------------------------ what only a boundary changes
+
+    def arm(self) -> None:
+        """After a step the general path took: may the next one be steady?"""
+        w, col, b = self.w, self.col, self.b
+        probe, acts = col.probe, col.acts
+        self.armed = bool(
+            col.raw is self.raw and col.raw_submit is not None and col.scaler is None and col.every == 1
+            and col.published >= FIRST_DETAIL and not col.first.pending and not col._missed and not col._missed_dev
+            and not acts.every and not acts.armed and not acts.probe.attached and not probe.branchless
+            and probe._lean.ok and not probe._snap_active and probe._pending_ur is None
+            and col.trigger is None and b.explicit
+            and not b.in_pause and not w._closed and w.disabled_reason is None and w.sender is not None)
+
+    # ------------------------------------------------------------------ the step
+
+    def __call__(self, loss: Any, inputs: Any, targets: Any) -> bool:  # noqa: C901 - one straight line, on purpose
+        """The whole boundary of a steady step; False, with nothing moved, when this step is not one."""
+        col, b, w = self.col, self.b, self.w
+        pub = col.published
+        if (col.user or b.loss._n or b.in_pause or col.acts._request or col.clip_due is not None
+                or os.getpid() != self.pid or (b._watching_optimizer and b._events == b._events_at_step)):
+            return False  # user scalars, micro-batch losses, accumulation, a fork...
+        detail = pub % col.detail_every == 0
+        settle = col._raw_snap  # the sidecar holds the last step's weights: this step's weights settle them
+        table = self.table
+        got = table.acquire()
+        if got is None or (detail and col.probe.update_ratio and not table.next_free()):
+            return False  # (a detail step keeps a second slot free for its settle)
+        i, seq = got
+        if loss is None:
+            loss_f = None
+        elif isinstance(loss, _Tensor):
+            if loss.numel() != 1 or not loss.is_cpu:
+                return False
+            loss_f = loss.item()
+        elif type(loss) is float:
+            loss_f = loss
+        else:
+            return False  # a float, a numpy scalar: the general path converts it
+        opt = col.optimizer
+        if opt is not None:
+            key = [g.get("lr") for g in opt.param_groups]
+            if key != self._lr_key:
+                if not all(type(v) is float for v in key):
+                    return False  # a tensor or an int learning rate
+                self._lr_key, self._lr_bytes, self._groups = key, struct.pack(f"<{len(key)}d", *key), len(key)
+        grads = list(map(_GRAD, self.params))
+        g0 = grads[0]
+        if g0 is None or g0.dtype not in _EXACT or grads[-1].dtype not in _EXACT:
+            return False
+        entry = self._batch(inputs, targets)
+        if entry is None:
+            return False
+        flags, n_in, n_t, nvals, dst, data = entry
+        weights = detail or settle
+        hyper: Any = None
+        if weights and opt is not None:
+            hyper, tensors = col.hyper(detail)
+            if tensors:
+                return False  # a tensor hyper-parameter travels through the ordinary path's buffer
+        j = i + i + weights  # per slot: without, with the weights
+        views = dst[j]
+        if views is None:
+            views = dst[j] = self._destinations(i, inputs, targets, weights)
+        src = grads + self.params if weights else grads
+        if nvals:
+            src = src + [inputs] if targets is None else src + [targets] if inputs is None else \
+                src + [inputs, targets]
+        on = _grad_on()
+        if on:
+            _set_grad(False)  # the copy must not be recorded (create_graph gradients, batches that require grad)
+        try:
+            _copy(views, src)  # a None gradient or a new dtype raises: the general path sorts it out
+        except Exception:  # noqa: BLE001
+            return False
+        finally:
+            if on:
+                _set_grad(True)
+        raw = self.raw
+        g = raw._gflat[i]
+        sq = _dot(g, g).item()
+        finite = not nvals or _isfinite(sum(raw._data_mv[i][:nvals]))
+        total = _sqrt(sq) if sq >= 0 else math.nan
+        if not finite or col._trouble.check(loss_f, total, False):
+            return False  # a trouble step: the ordinary path measures it exactly (check() moved nothing)
+        # ---- committed: from here on the step is this one's, as the general path would have left it
+        with w._lock:
+            if b._watching_optimizer:
+                b._events_at_step, b._grad_at_step = b._events, id(g0)
+            step = col.step
+            col.step = step + 1
+            col.published = pub + 1
+            col._nf_episode = False
+            col._raw_snap = False
+            if weights or col._clip is not None:
+                payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper)
+            else:
+                wflags = 0
+                if loss_f is not None:
+                    flags |= _LOSS
+                else:
+                    loss_f = 0.0
+                payload = _pack(MARK, flags, self._groups, i, step, time.time(), seq, loss_f, n_in, n_t) + \
+                    self._lr_bytes
+            sender = w.sender
+            if sender.submit_raw(payload):
+                table.commit(i, seq)
+                col._raw_snap = bool(wflags & W_SNAP)
+            if detail and col.measure_clips and opt is not None:
+                col.clip_due = step  # the optimizer hook measures the total after the user's clipping
+            col.raw_steps += 1
+            col.acts._next = step + 1
+            self.served += 1
+        if sender.dead_reason is not None:
+            w._disable(sender.dead_reason)
+        pc = w._pausectl
+        if pc is not None:
+            if pc.due is not None or col.trigger is not None:
+                w._pause_point(loss, inputs, targets)
+            else:
+                pc.checked = step
+        w._consecutive = 0
+        return True
+
+    def _packed(self, step: int, i: int, seq: int, loss_f: float | None, data: list[list[Any]], detail: bool,
+                settle: bool, hyper: Any) -> tuple[bytes, int]:
+        """The record of a detail step (every hyper-parameter, the weights kept as the update's snapshot)
+        or of the step after one (its weights settle that snapshot; the clipped total measured in between
+        goes with it), or one that carries a clipped total: raw_boundary's msgpack form."""
+        col = self.col
+        wflags = (W_DETAIL | (W_SNAP if col.probe.update_ratio else 0) if detail else 0) | (W_SETTLE if settle else 0)
+        parts = Parts(True)
+        meta: dict[str, Any] = {}
+        if loss_f is not None:
+            meta["loss"] = loss_f
+        if col.optimizer is not None:
+            meta["opt"] = hyper if hyper is not None else col.hyper(False)[0]
+        col.take_clip(parts, meta)
+        return pack([RAW, step, time.time(), i, seq, meta, parts.values, data, wflags]), wflags
+
+    # ------------------------------------------------------------------ the batches (cached by shape)
+
+    def _batch(self, inputs: Any, targets: Any) -> list[Any] | None:
+        """[flags, inputs' count, targets' count, values, per-slot destinations] for batches of this shape,
+        or None when one of them does not travel raw (big, on a device, a dict: the general path)."""
+        kin = None if inputs is None else (inputs.shape, inputs.dtype, inputs.is_cpu) \
+            if isinstance(inputs, _Tensor) else False
+        kt = None if targets is None else (targets.shape, targets.dtype, targets.is_cpu) \
+            if isinstance(targets, _Tensor) else False
+        entry = self._batches.get((kin, kt))
+        if entry is not None or kin is False or kt is False:
+            return entry
+        raw = self.raw
+        flags, n_in, n_t = 0, 0, 0
+        if inputs is not None:
+            if not raw.batch(inputs) or inputs.layout is not torch.strided:
+                return None
+            flags, n_in = _IN | (_IN_INT if integer_flag(inputs) else 0), inputs.numel()
+        if targets is not None:
+            if not raw.batch(targets) or targets.layout is not torch.strided:
+                return None
+            flags, n_t = flags | _TGT | (_TGT_INT if integer_flag(targets) else 0), targets.numel()
+        if len(self._batches) >= 8:
+            self._batches.clear()  # varying batch shapes: rebuild rather than grow
+        data = ([["inputs", n_in, integer_flag(inputs)]] if inputs is not None else []) + \
+            ([["targets", n_t, integer_flag(targets)]] if targets is not None else [])
+        entry = self._batches[(kin, kt)] = [flags, n_in, n_t, n_in + n_t, [None] * (2 * self.table.spec.k), data]
+        return entry
+
+    def _destinations(self, i: int, inputs: Any, targets: Any, weights: bool = False) -> list[torch.Tensor]:
+        """Slot ``i``'s views for the gradients, the weights if asked and these batches (in the order
+        raw_boundary copies them)."""
+        raw = self.raw
+        base, pos = raw._slots[i][raw.spec.data_at:], 0
+        out = raw._views[i] + raw._wviews[i] if weights else list(raw._views[i])
+        for t in (inputs, targets):
+            if t is not None:
+                out.append(base[pos:pos + t.numel()].view(t.shape))
+                pos += t.numel()
+        return out

@@ -1,0 +1,178 @@
+"""The steady step (gradwatch/publisher/steady.py, issue 13): an ordinary ``gw.step()`` of a small CPU model
+takes a short path of its own. The viewer must see the very Steps the general path publishes, the path
+must step aside whenever a step needs more (micro-batch losses, accumulation, user scalars, a schedule
+that hands out an int, a batch too big to travel raw, a pause), and it must never outlive close() or
+run in a forked child. Also here: the clipped total is not re-measured when nothing clipped."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gradwatch
+from _fw import assert_same_measurements, small_convnet, small_mlp, steps_of
+
+torch.set_num_threads(1)
+
+
+def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch, *, loss_kind: str = "tensor",
+           sched: bool = False, targets: bool = True, log_every: int = 0, clip: float | None = None,
+           conv: bool = False) -> tuple[dict[int, Any], Any]:
+    """Train ``steps`` steps with the steady step on or off; every Step the viewer decodes, and the
+    watcher's counters (steady steps served, raw steps)."""
+    monkeypatch.setenv("GRADWATCH_STEADY", "1" if steady else "0")
+    model = small_convnet(seed, 3) if conv else small_mlp(seed, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)) if sched else None
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=5)
+    assert (gw._steady is not None) is steady  # noqa: SLF001
+    client = gradwatch.connect(gw.run_id)
+    g = torch.Generator().manual_seed(seed)
+    for k in range(steps):
+        x = torch.randn(4, 3, 8, 8, generator=g) if conv else torch.randn(8, 5, generator=g) * (1 + k % 3)
+        y = torch.randint(0, 3, (x.shape[0],), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if log_every and k % log_every == 0:
+            gw.log(seen=float(k))
+        given: Any = loss if loss_kind == "tensor" else float(loss.detach()) if loss_kind == "float" else None
+        if loss_kind == "logged":
+            gw.log(loss=loss)
+        gw.step(given, inputs=x, targets=y if targets else None)
+        if clip is not None:  # after the boundary, as in the README: the optimizer hook measures the result
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if sch is not None:
+            sch.step()
+    out = steps_of(client, steps)
+    counters = {"steady": gw._steady.served if gw._steady is not None else 0,  # noqa: SLF001
+                "raw": gw._collector.raw_steps}  # noqa: SLF001
+    gw.close()
+    client.close()
+    return out, counters
+
+
+@pytest.mark.parametrize(("seed", "loss_kind", "sched", "targets", "log_every"),
+                         [(0, "tensor", False, True, 0), (1, "float", True, True, 0), (2, "logged", False, False, 0),
+                          (3, "tensor", True, False, 4), (4, "none", False, True, 0)])
+def test_steady_steps_publish_the_same_steps_as_the_general_path(runtime: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 seed: int, loss_kind: str, sched: bool,
+                                                                 targets: bool, log_every: int) -> None:
+    steps = 30
+    (got, c_on), (ref, c_off) = (_train(seed, s, steps, monkeypatch, loss_kind=loss_kind, sched=sched,
+                                        targets=targets, log_every=log_every) for s in (True, False))
+    assert sorted(got) == sorted(ref) == list(range(steps))
+    assert c_off["steady"] == 0
+    assert c_on["raw"] == c_off["raw"] >= steps * 2 // 3  # the same steps went through the raw hand-off either way
+    for k in range(steps):
+        a, b = got[k], ref[k]
+        assert_same_measurements(a, b, 1e-6)
+        assert a.data == b.data and a.user == b.user, k
+        if loss_kind == "none":
+            assert a.loss is None
+    # the first steps (the first-step hooks, detail steps the viewer's step-0 rules need), steps with user
+    # scalars and steps whose loss came through gw.log (micro-batches: a mean to form) go the general way;
+    # every other step -- detail steps and the step after each included -- takes the steady one
+    if loss_kind == "logged":
+        assert c_on["steady"] == 0
+    else:
+        general = {0, 1, 2}
+        if log_every:
+            user = {k for k in range(steps) if k % log_every == 0}
+            # a detail step with user scalars goes the ordinary way and keeps its own snapshot of the
+            # weights: the step after it settles that one, on the general path too
+            general |= user | {k + 1 for k in user if k % 5 == 0}
+        assert c_on["steady"] == steps - len(general), (c_on, sorted(general))
+
+
+def test_a_batch_too_big_to_travel_raw_is_left_to_the_general_path(runtime: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    (got, c_on), (ref, _) = (_train(5, s, 12, monkeypatch, conv=True) for s in (True, False))
+    assert c_on["steady"] == 0 and c_on["raw"] == 12  # 192 input values: raw, but its statistics the trainer's
+    for k in range(12):
+        assert_same_measurements(got[k], ref[k], 1e-6)
+        assert got[k].data == ref[k].data
+
+
+def test_an_unclipped_detail_step_reports_its_total_as_the_clipped_one_and_a_clipped_one_is_measured(
+        runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    free, _ = _train(6, True, 12, monkeypatch)
+    clipped, _ = _train(6, True, 12, monkeypatch, clip=0.05)
+    checked = 0
+    for steps in (free, clipped):
+        for st in steps.values():
+            if st.clip_total is None:
+                continue
+            checked += 1
+            src = steps[st.clip_step]  # the clipped total of step S travels with step S+1
+            if steps is free:
+                assert st.clip_total == pytest.approx(src.total, rel=1e-5)
+            else:
+                assert src.total > 0.05 * 1.5  # really clipped, and measured after it: the max_norm
+                assert st.clip_total == pytest.approx(0.05, rel=1e-3)
+    assert checked >= 6
+
+
+def test_gradient_accumulation_takes_the_general_path_and_warns_about_repeated_steps(
+        runtime: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder) -> None:
+    monkeypatch.setenv("GRADWATCH_STEADY", "1")
+    model = small_mlp(7, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    for _ in range(10):  # warm: the steady step is armed
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        gw.step(torch.tensor(1.0))
+        opt.step()
+        opt.zero_grad()
+    assert gw._steady.armed and gw._steady.served > 0  # noqa: SLF001
+    served = gw._steady.served  # noqa: SLF001
+    for _ in range(4):  # the misuse: gw.step() per micro-batch, one optimizer step (warned at the third repeat)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        gw.step(torch.tensor(2.0))
+    assert gw._steady.served == served + 1  # the first micro-batch's step is a step; the repeats are not  # noqa: SLF001
+    assert any("several times between two optimizer steps" in str(w.message) for w in recwarn.list)
+    gw.close()
+
+
+def test_no_steady_step_after_close_nor_in_a_forked_child(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_STEADY", "1")
+    model = small_mlp(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+
+    def one() -> None:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        gw.step(torch.tensor(1.0), inputs=x, targets=y)
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(10):
+        one()
+    assert gw._steady.armed  # noqa: SLF001
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its calls are no-ops (never the parent's ring or slots)
+        try:
+            before = (gw._steady.served, gw._collector.step)  # noqa: SLF001
+            one()
+            ok = (gw._steady.served, gw._collector.step) == before and gw._forked_calls >= 1  # noqa: SLF001
+            os.write(w, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.waitpid(pid, 0)
+    os.close(r)
+    steps = gw.step_count
+    gw.close()
+    assert not gw._steady.armed  # noqa: SLF001
+    one()
+    assert gw.step_count == steps and not math.isnan(float(steps))
