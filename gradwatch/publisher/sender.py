@@ -64,6 +64,10 @@ class SenderConfig:
     #: The sidecar: is the trainer able to run (False while it is SIGSTOPped)? Heartbeats say so, so a
     #: stopped trainer looks silent to a viewer, as it did when the heartbeats came from its own thread.
     trainer_running: Callable[[], bool] | None = None
+    #: In the trainer's process, hand the GIL to the training thread between two steps (``sleep(0)``). The
+    #: sidecar shares no GIL with the trainer: there the same call was 54 % of its busy time (py-spy), a
+    #: syscall and a switch to its own reader thread per step (docs/design.md, "The sidecar").
+    yield_gil: bool = True
 
 
 class Sender(threading.Thread):
@@ -136,6 +140,7 @@ class Sender(threading.Thread):
 
         sock = self._sock
         next_hb = 0.0
+        yield_gil = self.cfg.yield_gil
         try:
             while True:
                 self._wake.wait(DRAIN_S)
@@ -151,7 +156,8 @@ class Sender(threading.Thread):
                     try:
                         while self._queue and time.monotonic() < deadline:
                             self._process(self._queue.popleft(), zmq)
-                            time.sleep(0)  # let the training thread have the GIL between steps
+                            if yield_gil:
+                                time.sleep(0)  # let the training thread have the GIL between steps
                     finally:
                         self._flush(zmq)
                     now = time.monotonic()

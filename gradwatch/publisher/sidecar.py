@@ -270,7 +270,7 @@ def main() -> int:
             return 1
         schema = protocol.decode_body(cfg["schema"])
         sc = SenderConfig(run=cfg["run"], history_steps=int(cfg["history"]), queue_size=int(cfg["queue_size"]),
-                          scaler_enabled=bool(cfg["scaler_enabled"]), name=cfg["name"])
+                          scaler_enabled=bool(cfg["scaler_enabled"]), name=cfg["name"], yield_gil=False)
         diagnoser = _diagnoser(schema, cfg.get("diagnose"))
         sc.diagnoser = diagnoser
         sender = Sender(sc, protocol.Signer(cfg["key"]), sock,
