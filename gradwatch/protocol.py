@@ -200,7 +200,8 @@ class Step:
     #: published themselves ("loss"/"inputs"/"targets": how many steps; "first_step" when known).
     missed: dict[str, int] = field(default_factory=dict)
     #: The total gradient norm right before ``optimizer.step()`` of step ``clip_step`` (after any
-    #: clipping the user did), measured on detail steps: with ``total`` it shows clipping at work.
+    #: clipping the user did), measured once per ``detail_every`` steps, half-way between two detail steps
+    #: (``trouble.is_clip``): with ``total`` it shows clipping at work.
     clip_total: float | None = None
     clip_step: int | None = None
     #: Parameter index -> non-finite weight elements (-1: >= 1, not counted), when the weights were

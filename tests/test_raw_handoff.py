@@ -20,7 +20,7 @@ import torch
 import gradwatch
 from _fw import assert_same_measurements, small_convnet, small_mlp, steps_of, train_poisoned
 from gradwatch.protocol import Step
-from gradwatch.publisher.slots import DATA_MAX, SlotReader, SlotSpec, SlotTable, decode_raw, encode_raw
+from gradwatch.publisher.slots import DATA_MAX, W_SETTLE, SlotReader, SlotSpec, SlotTable, decode_raw, encode_raw
 
 torch.set_num_threads(1)
 
@@ -164,8 +164,16 @@ def test_malformed_raw_records_are_refused_and_the_slot_is_not_touched() -> None
         reader.reduce(0, 1, [["inputs", DATA_MAX + 1, 0]], {}, {})
     rec = encode_raw(1, 7, 42, 1.5, 0.25, [1e-3, 2e-3], [["inputs", 10, 0], ["targets", 10, 1]])
     assert decode_raw(rec) == (42, 1.5, 1, 7, {"loss": 0.25, "opt": [{"lr": 1e-3}, {"lr": 2e-3}]},
-                               [["inputs", 10, 0], ["targets", 10, 1]])
+                               [["inputs", 10, 0], ["targets", 10, 1]], 0, {})
     assert decode_raw(encode_raw(0, 1, 3, 0.0, None, [], []))[4] == {}
+    settle = bytearray(rec)
+    settle[1] |= 32  # the steady step's settle flag (slots._SETTLE)
+    assert decode_raw(bytes(settle))[6] == W_SETTLE
+    settle[1] |= 64  # and a clipped total after the learning rates (slots._CLIP)
+    clipped = decode_raw(bytes(settle) + struct.pack("<qd", 41, 0.5))
+    assert clipped[4]["clip_step"] == 41 and struct.unpack("<f", clipped[7]["clip"]) == (0.5,)
+    with pytest.raises(ValueError):
+        decode_raw(bytes(settle))  # the flag without the values
     for bad in (rec[:10], rec[:-4], b"\xc1"):
         with pytest.raises(ValueError):
             decode_raw(bad)

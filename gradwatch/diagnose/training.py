@@ -55,7 +55,7 @@ class TrainingRules:
 
     def _clipping(self, v: View, out: list[Alert]) -> None:
         """Pre-clip norm (``total`` of step k) against the norm right before ``optimizer.step()`` of step k
-        (``clip_total``, measured on detail steps and shipped with a later step)."""
+        (``clip_total``, measured once per ``detail_every`` steps and shipped with a later step)."""
         s = v.s
         if finite(s.total):
             self._pre[s.step] = s.total

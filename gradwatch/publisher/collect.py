@@ -20,7 +20,7 @@ from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.first_step import FirstStep
 from gradwatch.publisher.probes import GradProbe, Parts, RateCache, hyper_of, scalar_part
 from gradwatch.publisher.raw import raw_boundary, settle_only
-from gradwatch.publisher.trouble import AUTO_ARM_STEPS, TroubleCheck, is_detail
+from gradwatch.publisher.trouble import AUTO_ARM_STEPS, TroubleCheck, is_clip, is_detail
 
 
 class Collector:
@@ -60,8 +60,9 @@ class Collector:
     # ------------------------------------------------------------------ the boundary
 
     def measure_clip(self) -> None:
-        """Explicit mode, detail steps: the total norm after the user's clipping, before the update. With
-        the raw hand-off, the raw path's own copy and dot (~25 us against ~110 us of norms with caches cold)."""
+        """Explicit mode, on the clip cadence (``trouble.is_clip``): the total norm after the user's clipping,
+        before the update. With the raw hand-off, the raw path's own copy and dot (~25 us against ~110 us
+        of norms with caches cold)."""
         step, self.clip_due = self.clip_due, None
         grads = [p.grad for p in self.probe.params]
         if self.raw is not None:
@@ -87,7 +88,7 @@ class Collector:
 
     def boundary(self, loss: Any, inputs: Any, targets: Any, explicit: bool = False) -> None:
         """One step boundary; ``explicit``: gw.step() marks them (the optimizer hook then measures the
-        clipped total on detail steps)."""
+        clipped total on the clip cadence, :func:`~.trouble.is_clip`)."""
         step = self.step
         self.step += 1
         probe = self.probe
@@ -98,10 +99,11 @@ class Collector:
             self.acts.plan(step + 1)
             return
         detail = is_detail(self.published, self.detail_every)
+        clip = is_clip(self.published, self.detail_every)
         self.published += 1
         settle, self._raw_snap = self._raw_snap, False  # a raw detail step's snapshot: settled at this step
         if self.raw is not None and (not detail or self.every == 1) and \
-                raw_boundary(self, step, loss, inputs, targets, detail, settle, explicit):
+                raw_boundary(self, step, loss, inputs, targets, detail, settle, explicit, clip):
             self.acts.plan(step + 1)
             return
         if settle:
@@ -143,7 +145,7 @@ class Collector:
             # a NaN from clean weights: if it comes back, trace it to the first module that makes it
             self.acts.armed = AUTO_ARM_STEPS + 1
         self.take_clip(parts, meta)
-        if detail and explicit and self.measure_clips and self.optimizer is not None:
+        if clip and explicit and self.measure_clips and self.optimizer is not None:
             self.clip_due = step
         if self.pause_on_nonfinite:
             # one pause per non-finite episode: a run that stays NaN after "continue" is not paused

@@ -117,7 +117,7 @@ def integer_flag(t: torch.Tensor) -> int:
 
 
 def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any, detail: bool = False,  # noqa: C901
-                 settle: bool = False, explicit: bool = False) -> bool:
+                 settle: bool = False, explicit: bool = False, clip: bool = False) -> bool:
     """One boundary of ``col`` (the :class:`~.collect.Collector`, whose state this reads and moves as its
     own methods would) through the raw hand-off; False (nothing consumed) when this step needs the
     ordinary path: anything beyond loss, gradients, weights, batches and hyper-parameters, or trouble.
@@ -196,7 +196,7 @@ def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any
         col.probe.updates(parts, meta)
         col.take_clip(parts, meta)
         payload = pack([RAW, step, ts, slot, seq, meta, parts.values, data, wflags])
-    if detail and explicit and col.measure_clips and col.optimizer is not None:
+    if clip and explicit and col.measure_clips and col.optimizer is not None:
         col.clip_due = step
     if col.raw_submit is not None and col.raw_submit(payload):
         raw.table.commit(slot, seq)

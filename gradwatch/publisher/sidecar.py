@@ -79,7 +79,8 @@ class Sidecar:
 
     def dispatch(self, payload: bytes) -> None:
         if payload[:1] == b"\xc1":  # slots.MARK: a steady step of the raw hand-off, fixed layout
-            self._raw(*decode_raw(payload), {})
+            step, ts, slot, seq, meta, data, wflags, values = decode_raw(payload)
+            self._raw(step, ts, slot, seq, meta, data, values, wflags)
             return
         rec = unpack(payload)
         kind = rec[0]

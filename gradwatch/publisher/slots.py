@@ -221,7 +221,9 @@ class SlotReader:
 #: kinds of record apart by it (everything else in the ring is msgpack).
 MARK = 0xC1
 _HEAD = struct.Struct("<BBHIqdQdII")  # mark, flags, groups, slot, step, ts, seq, loss, inputs, targets
-_LOSS, _IN, _TGT, _IN_INT, _TGT_INT = 1, 2, 4, 8, 16
+#: _SETTLE: the record's wflags are W_SETTLE; _CLIP: (clip step, clipped total) follow the learning rates
+_LOSS, _IN, _TGT, _IN_INT, _TGT_INT, _SETTLE, _CLIP = 1, 2, 4, 8, 16, 32, 64
+_CLIP_AT = struct.Struct("<qd")
 
 
 def encode_raw(slot: int, seq: int, step: int, ts: float, loss: float | None, lrs: list[float],
@@ -239,14 +241,19 @@ def encode_raw(slot: int, seq: int, step: int, ts: float, loss: float | None, lr
     return head + struct.pack(f"<{len(lrs)}d", *lrs) if lrs else head
 
 
-def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], list[list[Any]]]:
-    """(step, ts, slot, seq, meta, data) of :func:`encode_raw`'s record; ValueError when malformed."""
+def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], list[list[Any]], int, dict[str, bytes]]:
+    """(step, ts, slot, seq, meta, data, wflags, values) of :func:`encode_raw`'s record, or of the steady
+    step's, which may set ``_SETTLE`` and ``_CLIP``; ValueError when malformed."""
+    values: dict[str, bytes] = {}
+    meta: dict[str, Any] = {}
     try:
         _, flags, groups, slot, step, ts, seq, loss, n_in, n_t = _HEAD.unpack_from(payload, 0)
         lrs = struct.unpack_from(f"<{groups}d", payload, _HEAD.size) if groups else ()
+        if flags & _CLIP:
+            clip_step, clip = _CLIP_AT.unpack_from(payload, _HEAD.size + 8 * groups)
+            meta["clip_step"], values["clip"] = clip_step, struct.pack("<f", clip)
     except struct.error as exc:
         raise ValueError(f"malformed raw record: {exc}") from None
-    meta: dict[str, Any] = {}
     if flags & _LOSS:
         meta["loss"] = loss
     if groups:
@@ -256,4 +263,4 @@ def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], li
         data.append(["inputs", n_in, 1 if flags & _IN_INT else 0])
     if flags & _TGT:
         data.append(["targets", n_t, 1 if flags & _TGT_INT else 0])
-    return step, ts, slot, seq, meta, data
+    return step, ts, slot, seq, meta, data, W_SETTLE if flags & _SETTLE else 0, values

@@ -28,7 +28,9 @@ from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
 from gradwatch.publisher.parts import Parts
 from gradwatch.publisher.raw import integer_flag
-from gradwatch.publisher.slots import _HEAD, _IN, _IN_INT, _LOSS, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP
+from gradwatch.publisher.slots import (
+    _CLIP, _CLIP_AT, _HEAD, _IN, _IN_INT, _LOSS, _SETTLE, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP,
+)
 from gradwatch.publisher.trouble import FIRST_DETAIL
 
 if TYPE_CHECKING:
@@ -123,7 +125,7 @@ class SteadyStep:
         flags, n_in, n_t, nvals, dst, data = entry
         weights = detail or settle
         hyper: Any = None
-        if weights and opt is not None:
+        if detail and opt is not None:
             hyper, tensors = col.hyper(detail)
             if tensors:
                 return False  # a tensor hyper-parameter travels through the ordinary path's buffer
@@ -161,22 +163,29 @@ class SteadyStep:
             col.published = pub + 1
             col._nf_episode = False
             col._raw_snap = False
-            if weights or col._clip is not None:
+            clip = col._clip
+            if detail or (clip is not None and type(clip[1]) is not tuple):
                 payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper)
-            else:
-                wflags = 0
+            else:  # a steady step, the settle after a detail step, a clipped total: the fixed layout
+                wflags = W_SETTLE if settle else 0
+                if settle:
+                    flags |= _SETTLE
                 if loss_f is not None:
                     flags |= _LOSS
                 else:
                     loss_f = 0.0
-                payload = _pack(MARK, flags, self._groups, i, step, time.time(), seq, loss_f, n_in, n_t) + \
-                    self._lr_bytes
+                payload = _pack(MARK, flags | (_CLIP if clip is not None else 0), self._groups, i, step, time.time(),
+                                seq, loss_f, n_in, n_t) + self._lr_bytes
+                if clip is not None:
+                    payload += _CLIP_AT.pack(clip[0], clip[1][0])
+                    col._clip = None
             sender = w.sender
             if sender.submit_raw(payload):
                 table.commit(i, seq)
                 col._raw_snap = bool(wflags & W_SNAP)
-            if detail and col.measure_clips and opt is not None:
-                col.clip_due = step  # the optimizer hook measures the total after the user's clipping
+            if opt is not None and col.measure_clips and (pub % col.detail_every == col.detail_every // 2
+                                                          or col.detail_every == 1):
+                col.clip_due = step  # the optimizer hook measures the total after the user's clipping (is_clip)
             col.raw_steps += 1
             col.acts._next = step + 1
             self.served += 1

@@ -39,6 +39,14 @@ def is_detail(published: int, every: int) -> bool:
     return published < FIRST_DETAIL or published % every == 0
 
 
+def is_clip(published: int, every: int) -> bool:
+    """Whether the optimizer hook measures the clipped total of the ``published``-th published step: the
+    first steps, then once per ``every`` -- half-way between two detail steps, so that no one step pays for
+    both (a detail step's extra copy and record, the clip's norms in the hook: the p99 of the tutorial MLP
+    went 1.26 -> see bench/README.md 1.5)."""
+    return published < FIRST_DETAIL or every == 1 or published % every == every // 2
+
+
 class TroubleCheck:
     """Running level of the total gradient norm (log10 EMA, plain floats) and the per-step verdict."""
 
