@@ -107,7 +107,7 @@ class SteadyStep:
         elif type(loss) is float:
             loss_f = loss
         else:
-            return False  # a float, a numpy scalar: the general path converts it
+            return False  # an int, a numpy scalar: the general path converts it
         opt = col.optimizer
         if opt is not None:
             key = [g.get("lr") for g in opt.param_groups]
