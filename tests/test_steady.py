@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 
 def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch, *, loss_kind: str = "tensor",
            sched: bool = False, targets: bool = True, log_every: int = 0, clip: float | None = None,
-           conv: bool = False) -> tuple[dict[int, Any], Any]:
+           conv: bool = False, nan_at: int | None = None) -> tuple[dict[int, Any], Any]:
     """Train ``steps`` steps with the steady step on or off; every Step the viewer decodes, and the
     watcher's counters (steady steps served, raw steps)."""
     monkeypatch.setenv("GRADWATCH_STEADY", "1" if steady else "0")
@@ -36,6 +36,8 @@ def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch,
     for k in range(steps):
         x = torch.randn(4, 3, 8, 8, generator=g) if conv else torch.randn(8, 5, generator=g) * (1 + k % 3)
         y = torch.randint(0, 3, (x.shape[0],), generator=g)
+        if k == nan_at:
+            x[0].view(-1)[5] = math.nan  # one bad value in the batch: a trouble step, the general path's
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         if log_every and k % log_every == 0:
@@ -91,10 +93,17 @@ def test_steady_steps_publish_the_same_steps_as_the_general_path(runtime: Path, 
         assert c_on["steady"] == steps - len(general), (c_on, sorted(general))
 
 
-def test_a_batch_too_big_to_travel_raw_is_left_to_the_general_path(runtime: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_too_big_for_the_slot_gets_the_same_statistics_on_the_steady_step(
+        runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (got, c_on), (ref, _) = (_train(5, s, 12, monkeypatch, conv=True) for s in (True, False))
-    assert c_on["steady"] == 0 and c_on["raw"] == 12  # 192 input values: raw, but its statistics the trainer's
+    # 192 input values: the trainer computes their statistics; the 4 targets travel in the slot
+    assert c_on["steady"] == 12 - 3 and c_on["raw"] == 12
+    for k in range(12):
+        assert_same_measurements(got[k], ref[k], 1e-6)
+        assert got[k].data == ref[k].data
+    (got, c_on), (ref, _) = (_train(5, s, 12, monkeypatch, conv=True, nan_at=8) for s in (True, False))
+    assert got[8].data["inputs"].nonfinite == ref[8].data["inputs"].nonfinite == 1
+    assert c_on["steady"] < 12 - 3  # step 8 and the NaN steps after it went the general way
     for k in range(12):
         assert_same_measurements(got[k], ref[k], 1e-6)
         assert got[k].data == ref[k].data

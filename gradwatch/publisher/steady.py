@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
 from gradwatch.publisher.parts import Parts
@@ -122,7 +123,17 @@ class SteadyStep:
         entry = self._batch(inputs, targets)
         if entry is None:
             return False
-        flags, n_in, n_t, nvals, dst, data = entry
+        flags, n_in, n_t, nvals, dst, data, pick, stats = entry
+        values: dict[str, bytes] | None = None
+        if stats:  # batches too big for the slot: their statistics here, exactly as raw_boundary's
+            values = {}
+            for name in stats:
+                st = data_stats(inputs if name == "inputs" else targets, exact_on_host=True)
+                if st is None:
+                    continue
+                if not isinstance(st, tuple) or st[1] > 0:
+                    return False  # non-finite values in the batch: a trouble step
+                values[f"data:{name}"] = struct.pack(f"<{len(st)}f", *st)
         weights = detail or settle
         hyper: Any = None
         if detail and opt is not None:
@@ -132,11 +143,11 @@ class SteadyStep:
         j = i + i + weights  # per slot: without, with the weights
         views = dst[j]
         if views is None:
-            views = dst[j] = self._destinations(i, inputs, targets, weights)
+            views = dst[j] = self._destinations(i, inputs if pick & 1 else None, targets if pick & 2 else None,
+                                                weights)
         src = grads + self.params if weights else grads
-        if nvals:
-            src = src + [inputs] if targets is None else src + [targets] if inputs is None else \
-                src + [inputs, targets]
+        if pick:
+            src = src + ([inputs] if pick == 1 else [targets] if pick == 2 else [inputs, targets])
         on = _grad_on()
         if on:
             _set_grad(False)  # the copy must not be recorded (create_graph gradients, batches that require grad)
@@ -164,8 +175,8 @@ class SteadyStep:
             col._nf_episode = False
             col._raw_snap = False
             clip = col._clip
-            if detail or (clip is not None and type(clip[1]) is not tuple):
-                payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper)
+            if detail or values or (clip is not None and type(clip[1]) is not tuple):
+                payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper, values)
             else:  # a steady step, the settle after a detail step, a clipped total: the fixed layout
                 wflags = W_SETTLE if settle else 0
                 if settle:
@@ -201,13 +212,16 @@ class SteadyStep:
         return True
 
     def _packed(self, step: int, i: int, seq: int, loss_f: float | None, data: list[list[Any]], detail: bool,
-                settle: bool, hyper: Any) -> tuple[bytes, int]:
+                settle: bool, hyper: Any, values: dict[str, bytes] | None) -> tuple[bytes, int]:
         """The record of a detail step (every hyper-parameter, the weights kept as the update's snapshot)
         or of the step after one (its weights settle that snapshot; the clipped total measured in between
-        goes with it), or one that carries a clipped total: raw_boundary's msgpack form."""
+        goes with it), or one that carries a clipped total or the statistics of big batches: raw_boundary's
+        msgpack form."""
         col = self.col
         wflags = (W_DETAIL | (W_SNAP if col.probe.update_ratio else 0) if detail else 0) | (W_SETTLE if settle else 0)
         parts = Parts(True)
+        if values:
+            parts.values.update(values)
         meta: dict[str, Any] = {}
         if loss_f is not None:
             meta["loss"] = loss_f
@@ -219,8 +233,11 @@ class SteadyStep:
     # ------------------------------------------------------------------ the batches (cached by shape)
 
     def _batch(self, inputs: Any, targets: Any) -> list[Any] | None:
-        """[flags, inputs' count, targets' count, values, per-slot destinations] for batches of this shape,
-        or None when one of them does not travel raw (big, on a device, a dict: the general path)."""
+        """For batches of this shape: [flags, inputs' count, targets' count, values in the slot, per-slot
+        destinations, the record's data list, which travel raw (1 inputs, 2 targets, 3 both), which get
+        their statistics here]; None when one is not a CPU tensor (a dict, on a device: the general path).
+        A batch of up to 128 values travels raw in the slot; a bigger one gets :func:`data_stats` on the
+        training thread, as in raw_boundary."""
         kin = None if inputs is None else (inputs.shape, inputs.dtype, inputs.is_cpu) \
             if isinstance(inputs, _Tensor) else False
         kt = None if targets is None else (targets.shape, targets.dtype, targets.is_cpu) \
@@ -229,20 +246,22 @@ class SteadyStep:
         if entry is not None or kin is False or kt is False:
             return entry
         raw = self.raw
-        flags, n_in, n_t = 0, 0, 0
-        if inputs is not None:
-            if not raw.batch(inputs) or inputs.layout is not torch.strided:
+        flags, counts, pick, stats, data = 0, [0, 0], 0, [], []
+        for k, (name, t, f, f_int) in enumerate((("inputs", inputs, _IN, _IN_INT), ("targets", targets, _TGT, _TGT_INT))):
+            if t is None:
+                continue
+            if not t.is_cpu or t.layout is not torch.strided:
                 return None
-            flags, n_in = _IN | (_IN_INT if integer_flag(inputs) else 0), inputs.numel()
-        if targets is not None:
-            if not raw.batch(targets) or targets.layout is not torch.strided:
-                return None
-            flags, n_t = flags | _TGT | (_TGT_INT if integer_flag(targets) else 0), targets.numel()
+            if raw.batch(t):
+                flags |= f | (f_int if integer_flag(t) else 0)
+                counts[k], pick = t.numel(), pick | (k + 1)
+                data.append([name, t.numel(), integer_flag(t)])
+            else:
+                stats.append(name)
         if len(self._batches) >= 8:
             self._batches.clear()  # varying batch shapes: rebuild rather than grow
-        data = ([["inputs", n_in, integer_flag(inputs)]] if inputs is not None else []) + \
-            ([["targets", n_t, integer_flag(targets)]] if targets is not None else [])
-        entry = self._batches[(kin, kt)] = [flags, n_in, n_t, n_in + n_t, [None] * (2 * self.table.spec.k), data]
+        entry = self._batches[(kin, kt)] = [flags, counts[0], counts[1], counts[0] + counts[1],
+                                            [None] * (2 * self.table.spec.k), data, pick, tuple(stats)]
         return entry
 
     def _destinations(self, i: int, inputs: Any, targets: Any, weights: bool = False) -> list[torch.Tensor]:
