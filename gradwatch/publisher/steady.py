@@ -20,6 +20,7 @@ import operator
 import os
 import struct
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,20 @@ _isfinite = math.isfinite
 _sqrt = math.sqrt
 
 
+def _at_fork(st: SteadyStep) -> None:
+    """A forked child (a DataLoader worker) must never write into the parent's ring or slots: its copy of
+    the steady step is disarmed for good in the child, at the fork itself -- instead of an ``os.getpid()``
+    (a syscall) on every step. The general path then sees the fork and counts the call."""
+    ref = weakref.ref(st)
+
+    def child() -> None:
+        s = ref()
+        if s is not None:
+            s.armed, s.forked = False, True
+
+    os.register_at_fork(after_in_child=child)
+
+
 class SteadyStep:
     """The steady boundary of one :class:`~.watcher.Watcher` with a raw hand-off. ``armed``: the next
     ``gw.step()`` may try it (set by :meth:`arm`, cleared on close, disable and on any error)."""
@@ -60,8 +75,9 @@ class SteadyStep:
         self.raw = col.raw
         self.table = col.raw.table
         self.params = col.probe.params
-        self.pid = w._pid
         self.armed = False
+        self.forked = False  # this object is a forked child's copy: never armed again (see _at_fork)
+        _at_fork(self)
         self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
         self._lr_key: list[Any] | None = None
         self._lr_bytes = b""
@@ -76,7 +92,7 @@ class SteadyStep:
         w, col, b = self.w, self.col, self.b
         probe, acts = col.probe, col.acts
         self.armed = bool(
-            col.raw is self.raw and col.raw_submit is not None and col.scaler is None and col.every == 1
+            not self.forked and col.raw is self.raw and col.raw_submit is not None and col.scaler is None and col.every == 1
             and col.published >= FIRST_DETAIL and not col.first.pending and not col._missed and not col._missed_dev
             and not acts.every and not acts.armed and not acts.probe.attached and not probe.branchless
             and probe._lean.ok and not probe._snap_active and probe._pending_ur is None
@@ -90,8 +106,8 @@ class SteadyStep:
         col, b, w = self.col, self.b, self.w
         pub = col.published
         if (col.user or b.loss._n or b.in_pause or col.acts._request or col.clip_due is not None
-                or os.getpid() != self.pid or (b._watching_optimizer and b._events == b._events_at_step)):
-            return False  # user scalars, micro-batch losses, accumulation, a fork...
+                or (b._watching_optimizer and b._events == b._events_at_step)):
+            return False  # user scalars, micro-batch losses, accumulation...
         detail = pub % col.detail_every == 0
         settle = col._raw_snap  # the sidecar holds the last step's weights: this step's weights settle them
         table = self.table
