@@ -125,8 +125,14 @@ class SidecarSender:
         the sidecar's until released; False when it was not written (then the slot is still ours)."""
         if self.dead_reason is not None or self._stopping:
             return False
-        ok = self._write(payload)
-        self._tick()
+        with self._lock:
+            ok = self._ring.write(payload)
+        if not ok:
+            self.dropped += 1
+        if self._ring.back_pending():  # alerts for pause_on: read at once
+            self._read_back()
+        if time.monotonic() >= self._next_tick:
+            self._tick()
         return ok
 
     def event(self, name: str, step: int, message: str = "", data: dict[str, Any] | None = None) -> None:

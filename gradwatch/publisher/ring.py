@@ -112,6 +112,11 @@ class Ring:
     def read_back(self, limit: int = 1 << 30) -> list[bytes]:
         return self._read(self._back_at, self.back_cap, _BACK_W, _BACK_R, limit)
 
+    def back_pending(self) -> bool:
+        """Whether the sidecar wrote records the trainer has not read (two loads, no call per record)."""
+        mm = self._mm
+        return _Q.unpack_from(mm, _BACK_W)[0] != _Q.unpack_from(mm, _BACK_R)[0]
+
     def pending(self) -> int:
         """Bytes written to the forward ring and not read yet."""
         mm = self._mm
@@ -137,7 +142,11 @@ class Ring:
             r = self._seen_r[r_at] = _Q.unpack_from(mm, r_at)[0]
             if n > cap - (w - r):
                 return False
-        self._put(base, cap, w, _L.pack(len(payload)) + payload)
+        off = w % cap
+        if off + n <= cap:  # no wrap (nearly always): one slice assignment
+            mm[base + off: base + off + n] = _L.pack(len(payload)) + payload
+        else:
+            self._put(base, cap, w, _L.pack(len(payload)) + payload)
         _fence()
         _Q.pack_into(mm, w_at, w + n)  # after the record: the reader sees all of it or none
         return True
