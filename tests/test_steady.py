@@ -185,3 +185,28 @@ def test_no_steady_step_after_close_nor_in_a_forked_child(runtime: Path, monkeyp
     assert not gw._steady.armed  # noqa: SLF001
     one()
     assert gw.step_count == steps and not math.isnan(float(steps))
+
+
+def test_a_steady_step_that_raises_is_counted_and_switched_off_for_good(runtime: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_STEADY", "1")
+    model = small_mlp(9, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    st = gw._steady  # noqa: SLF001
+
+    def broken(*_: Any) -> bool:
+        raise RuntimeError("a bug in the steady step")
+
+    for k in range(30):
+        if k == 10:
+            assert st.armed
+            st.__class__ = type("Broken", (type(st),), {"__call__": broken})
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        gw.step(torch.tensor(1.0), inputs=x, targets=y)
+        opt.step()
+        opt.zero_grad()
+    assert gw._steady is None and gw._errors == 1 and gw.disabled_reason is None  # noqa: SLF001
+    assert gw.step_count == 29  # the step that raised is lost, every other one went the general way
+    gw.close()

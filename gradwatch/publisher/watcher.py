@@ -136,8 +136,9 @@ class Watcher:
                     return
             except KeyboardInterrupt:
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - off for good: every step takes the general path
                 st.armed = False
+                self._steady = None
                 self._fail(exc)
                 return
         if not self._live() or self._boundaries.in_pause:
