@@ -210,3 +210,33 @@ def test_a_steady_step_that_raises_is_counted_and_switched_off_for_good(runtime:
     assert gw._steady is None and gw._errors == 1 and gw.disabled_reason is None  # noqa: SLF001
     assert gw.step_count == 29  # the step that raised is lost, every other one went the general way
     gw.close()
+
+
+def test_activation_statistics_armed_between_two_steps_are_taken(runtime: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """gw.arm_activations() and gw.activations() change nothing the steady step owns: it must step aside."""
+    monkeypatch.setenv("GRADWATCH_STEADY", "1")
+    model = small_mlp(10, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
+    client = gradwatch.connect(gw.run_id)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    for k in range(40):
+        if k == 10:
+            assert gw._steady.armed  # noqa: SLF001
+            gw.arm_activations(3)
+        if k == 25:
+            gw.activations(5)
+        if k == 35:
+            gw.activations(0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        gw.step(torch.tensor(1.0), inputs=x, targets=y)
+        opt.step()
+        opt.zero_grad()
+    steps = steps_of(client, 40)
+    gw.close()
+    client.close()
+    with_act = sorted(k for k, st in steps.items() if st.act is not None)
+    assert {11, 12, 13} <= set(with_act) or {10, 11, 12} <= set(with_act), with_act  # the three armed steps
+    assert any(25 <= k < 35 for k in with_act), with_act  # the cadence, every 5th step
+    assert not any(k > 36 for k in with_act), with_act  # off again

@@ -105,9 +105,10 @@ class SteadyStep:
         """The whole boundary of a steady step; False, with nothing moved, when this step is not one."""
         col, b, w = self.col, self.b, self.w
         pub = col.published
-        if (col.user or b.loss._n or b.in_pause or col.acts._request or col.clip_due is not None
-                or (b._watching_optimizer and b._events == b._events_at_step)):
-            return False  # user scalars, micro-batch losses, accumulation...
+        acts = col.acts  # armed or switched on since (gw.arm_activations, gw.activations, the viewer's A)
+        if (col.user or b.loss._n or b.in_pause or acts._request or acts.armed or acts.every or acts.probe.attached
+                or col.clip_due is not None or (b._watching_optimizer and b._events == b._events_at_step)):
+            return False  # user scalars, micro-batch losses, activation statistics, accumulation...
         detail = pub % col.detail_every == 0
         settle = col._raw_snap  # the sidecar holds the last step's weights: this step's weights settle them
         table = self.table
@@ -214,7 +215,7 @@ class SteadyStep:
                                                           or col.detail_every == 1):
                 col.clip_due = step  # the optimizer hook measures the total after the user's clipping (is_clip)
             col.raw_steps += 1
-            col.acts._next = step + 1
+            acts._next = step + 1
             self.served += 1
         if sender.dead_reason is not None:
             w._disable(sender.dead_reason)
