@@ -125,10 +125,7 @@ class SidecarSender:
         the sidecar's until released; False when it was not written (then the slot is still ours)."""
         if self.dead_reason is not None or self._stopping:
             return False
-        with self._lock:
-            ok = self._ring.write(payload)
-        if not ok:
-            self.dropped += 1
+        ok = self._write(payload)
         if self._ring.back_pending():  # alerts for pause_on: read at once
             self._read_back()
         if time.monotonic() >= self._next_tick:

@@ -142,11 +142,7 @@ class Ring:
             r = self._seen_r[r_at] = _Q.unpack_from(mm, r_at)[0]
             if n > cap - (w - r):
                 return False
-        off = w % cap
-        if off + n <= cap:  # no wrap (nearly always): one slice assignment
-            mm[base + off: base + off + n] = _L.pack(len(payload)) + payload
-        else:
-            self._put(base, cap, w, _L.pack(len(payload)) + payload)
+        self._put(base, cap, w, _L.pack(len(payload)) + payload)
         _fence()
         _Q.pack_into(mm, w_at, w + n)  # after the record: the reader sees all of it or none
         return True

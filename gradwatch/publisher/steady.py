@@ -33,7 +33,7 @@ from gradwatch.publisher.raw import integer_flag
 from gradwatch.publisher.slots import (
     _CLIP, _CLIP_AT, _HEAD, _IN, _IN_INT, _LOSS, _SETTLE, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP,
 )
-from gradwatch.publisher.trouble import FIRST_DETAIL
+from gradwatch.publisher.trouble import FIRST_DETAIL, is_clip, is_detail
 
 if TYPE_CHECKING:
     from gradwatch.publisher.watcher import Watcher
@@ -109,7 +109,7 @@ class SteadyStep:
         if (col.user or b.loss._n or b.in_pause or acts._request or acts.armed or acts.every or acts.probe.attached
                 or col.clip_due is not None or (b._watching_optimizer and b._events == b._events_at_step)):
             return False  # user scalars, micro-batch losses, activation statistics, accumulation...
-        detail = pub % col.detail_every == 0
+        detail = is_detail(pub, col.detail_every)
         settle = col._raw_snap  # the sidecar holds the last step's weights: this step's weights settle them
         table = self.table
         got = table.acquire()
@@ -211,9 +211,8 @@ class SteadyStep:
             if sender.submit_raw(payload):
                 table.commit(i, seq)
                 col._raw_snap = bool(wflags & W_SNAP)
-            if opt is not None and col.measure_clips and (pub % col.detail_every == col.detail_every // 2
-                                                          or col.detail_every == 1):
-                col.clip_due = step  # the optimizer hook measures the total after the user's clipping (is_clip)
+            if opt is not None and col.measure_clips and is_clip(pub, col.detail_every):
+                col.clip_due = step  # the optimizer hook measures the total after the user's clipping
             col.raw_steps += 1
             acts._next = step + 1
             self.served += 1
