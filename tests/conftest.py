@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,14 @@ def child_env(runtime: Path, **extra: str) -> dict[str, str]:
 
 
 PY = sys.executable
+
+
+def bare_exit_s() -> float:
+    """How long a process that imported torch and ran a step takes from its last line to being gone, here
+    and now: torch's own interpreter teardown (0.2 s on a quiet box, 1.5 s on a loaded one). A trainer's
+    exit is judged on what gradwatch adds to that, not on the machine's speed."""
+    code = ("import time, torch; m = torch.nn.Linear(5, 64); m(torch.randn(2, 5)).sum().backward(); "
+            "print(time.time(), flush=True)")
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
+    gone = time.time()
+    return gone - float(proc.stdout.split()[-1])

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gradwatch
-from conftest import PY, ROOT, child_env
+from conftest import PY, ROOT, bare_exit_s, child_env
 from gradwatch.protocol import Event, Step
 from gradwatch.publisher import handoff
 from gradwatch.publisher.decode import StepDecoder
@@ -261,7 +261,7 @@ def test_cuda_hand_off_reads_the_buffer_only_after_its_event_and_off_the_trainin
 
 def test_a_frozen_sidecar_never_blocks_the_trainer_and_is_killed_at_close(runtime: Path) -> None:
     """SIGSTOP the sidecar: the ring fills and steps are dropped (counted), the loop runs on at full speed,
-    close() gives up on the sidecar after its timeout and kills it: exit within 2 s of the loop's end and
+    close() gives up on the sidecar after its timeout and kills it: exit within 2 s of the loop's end (beyond torch's own teardown) and
     nothing of the run's session left."""
     proc = _start(runtime, "3000")
     proc.stdout.readline()  # type: ignore[union-attr]  # RUN ...
@@ -271,7 +271,8 @@ def test_a_frozen_sidecar_never_blocks_the_trainer_and_is_killed_at_close(runtim
     exited = time.time()
     assert proc.returncode == 0 and "Traceback" not in err, err
     loop_end = float(next(line for line in out.splitlines() if line.startswith("LOOP_END")).split()[1])
-    assert exited - loop_end < 2.0
+    bare = bare_exit_s()
+    assert exited - loop_end < 2.0 + bare, (exited - loop_end, bare)  # torch's own teardown aside
     assert not _alive(side)
     assert _in_session(proc.pid) == []
 
