@@ -271,6 +271,38 @@ def test_per_tensor_max_abs_is_exact_with_missing_and_empty_tensors() -> None:
     assert math.isnan(got[4]) and got.dtype == np.float32
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_per_tensor_update_ratio_of_big_tensors_is_that_of_subtract_then_norm(seed: int) -> None:
+    """The per-tensor path's settle measures big float32 tensors with torch.dist and the small ones with a
+    foreach subtract: both give the bits of ``(w_old - w_new).norm() / w_old.norm()``, whatever the mix,
+    the optimizer, or a tensor the step did not move."""
+    from gradwatch.publisher.parts import Parts
+    from gradwatch.publisher.probes import DIST_MIN, GradProbe
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 256), torch.nn.ReLU(), torch.nn.Linear(256, 3),
+                                torch.nn.Linear(3, 3, bias=False))
+    frozen = model[3].weight
+    params = list(model.parameters())
+    probe = GradProbe(params, update_ratio=True, queue_size=4)
+    probe._lean.ok = False  # noqa: SLF001 - the per-tensor path, as for a model too big for the lean one
+    assert probe._dist_idx == [i for i, p in enumerate(params) if p.numel() >= DIST_MIN] == [0]  # noqa: SLF001
+    opt = (torch.optim.Adam if seed else torch.optim.SGD)([p for p in params if p is not frozen], lr=1e-2)
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 300)).square().mean().backward()
+        parts, meta = Parts(True), {}
+        probe.settle()
+        probe.grad_norms(parts, meta)
+        probe.details(parts, meta, step)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        probe.settle()
+        ur = probe._pending_ur[1]  # noqa: SLF001
+        want = [float((b - p.detach()).norm() / b.norm()) for b, p in zip(before, params)]
+        assert ur.tolist() == pytest.approx(want, rel=1e-6, abs=0.0) and ur[4] == 0.0
+
+
 def test_device_side_statistics_equal_the_host_ones_and_their_constants_stay_bounded() -> None:
     """The CUDA (branchless) pass, run on CPU: the same numbers as the host pass, with NaN/inf, integer ids,
     and cached constants that neither leak between shapes nor grow without bound."""
