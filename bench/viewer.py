@@ -246,6 +246,8 @@ def publisher_main(argv: list[str]) -> int:
     seq = 0
 
     def next_seq() -> int:
+        """A step's number. The frames that carry or announce steps take the last one issued (``seq``), as
+        the real sender numbers them (gradwatch/gaps.py)."""
         nonlocal seq
         seq += 1
         return seq
@@ -291,16 +293,16 @@ def publisher_main(argv: list[str]) -> int:
             emit_line({"event": "error", "why": "no subscriber"})
             return 2
         time.sleep(0.01)
-    send(P.pack_body(dataclass_replace(schema, seq=next_seq(), ts=time.time())))
+    send(P.pack_body(dataclass_replace(schema, seq=seq, ts=time.time())))
     chunk: list[bytes] = []
     size = 0
     for b in history:  # the sender's _send_history: chunks of at most HISTORY_CHUNK_BYTES
         if chunk and size + len(b) > HISTORY_CHUNK_BYTES:
-            send(P.history_body(run, next_seq(), time.time(), chunk, []), len(chunk))
+            send(P.history_body(run, seq, time.time(), chunk, []), len(chunk))
             chunk, size = [], 0
         chunk.append(b)
         size += len(b)
-    send(P.history_body(run, next_seq(), time.time(), chunk, []), len(chunk))
+    send(P.history_body(run, seq, time.time(), chunk, []), len(chunk))
 
     t0_w, t0_m = time.time(), time.monotonic()
     emit_line({"event": "start", "t": t0_w, "first_step": hist_n, "total": total, "rate": rate})
@@ -322,18 +324,18 @@ def publisher_main(argv: list[str]) -> int:
             bsize += len(b)
             k += 1
             if bsize > BATCH_BYTES:
-                send(P.history_body(run, next_seq(), time.time(), batch, []), len(batch))
+                send(P.history_body(run, seq, time.time(), batch, []), len(batch))
                 frames += 1
                 batch, bsize = [], 0
         if batch:
             if len(batch) == 1:
                 send(batch[0], 1)
             else:
-                send(P.history_body(run, next_seq(), time.time(), batch, []), len(batch))
+                send(P.history_body(run, seq, time.time(), batch, []), len(batch))
             frames += 1
         subscriptions()
         if loop_m >= next_hb:
-            hb = P.Heartbeat(run=run, seq=next_seq(), ts=time.time(), step=hist_n + k - 1,
+            hb = P.Heartbeat(run=run, seq=seq, ts=time.time(), step=hist_n + k - 1,
                              counters={**counters, "queued": 0, "history": min(2000, hist_n + k)})
             send(P.pack_body(hb))
             next_hb = loop_m + 1.0
@@ -342,7 +344,7 @@ def publisher_main(argv: list[str]) -> int:
             time.sleep(left)
     t1_w = time.time()
     cpu1 = time.process_time()
-    hb = P.Heartbeat(run=run, seq=next_seq(), ts=time.time(), step=hist_n + total - 1,
+    hb = P.Heartbeat(run=run, seq=seq, ts=time.time(), step=hist_n + total - 1,
                      counters={**counters, "queued": 0, "history": 2000})
     send(P.pack_body(hb))
     send(P.pack_body(P.Event(run=run, seq=next_seq(), ts=time.time(), event="finished", step=hist_n + total - 1,

@@ -155,7 +155,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
                 else:
                     text = f"  {clean(msg.message, 200)}" if msg.message else ""
                     line = f"event {msg.event} at step {msg.step}{text}"
-                if backlog is not None and msg.seq < schema.seq:
+                if backlog is not None and msg.seq <= schema.seq:  # sent before the schema (its seq: the last issued)
                     backlog.append((line, isinstance(msg, Step)))
                     continue
                 if backlog is not None and drain():

@@ -11,7 +11,9 @@
 Every frame is verified and validated by :mod:`gradwatch.protocol` before it is yielded; every
 rejection is counted by reason in :attr:`Client.rejected`, never raised. Steps are checked
 against the schema (array lengths, module indices), and the history a late joiner receives is
-de-duplicated against what it already got, by sequence number.
+de-duplicated against what it already got, by sequence number. Steps and events lost on the way (the
+stream drops at its high-water mark rather than slow the trainer) are counted in :attr:`Client.missed`,
+and a new subscription asks for the history that still holds them (:mod:`gradwatch.gaps`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,20 @@ from typing import Any, Iterator
 
 from gradwatch import protocol
 from gradwatch.curve import secure_client
+from gradwatch.gaps import SeqGaps
 from gradwatch.protocol import DecodeError, Event, Heartbeat, History, Message, Schema, Step
 from gradwatch.transport import RunInfo, TransportError, find_run, list_runs
 
 _SEEN_MAX = 50_000
+#: At most one history replay asked for per this many seconds when messages went missing: a replay goes
+#: to every viewer of the run (up to the sender's history size), so a viewer that keeps losing frames
+#: (a slow link) must not make the stream heavier for everyone.
+RESYNC_MIN_S = 5.0
+
+
+def _order(m: Message) -> tuple[int, bool]:
+    """Messages held back, in the order they were sent: a heartbeat after the step that shares its number."""
+    return m.seq, isinstance(m, Heartbeat)
 
 
 def runs() -> list[RunInfo]:
@@ -68,6 +80,36 @@ class Client:
         self._early: deque[Message] = deque(maxlen=4096)  # messages that arrived before the schema+history
         self._await_history = False
         self._ready: deque[Message] = deque()
+        self._gaps = SeqGaps()
+        self._resync_at = -RESYNC_MIN_S
+        self._unasked = 0  # messages lost since the last replay asked for
+        self.resyncs = 0  # history replays asked for after a loss
+
+    @property
+    def missed(self) -> int:
+        """Messages the run sent that never arrived (the stream dropped them: a viewer that fell behind, or
+        a sender starved of CPU), less those a history replay brought back."""
+        return self._gaps.missed
+
+    @property
+    def recovered(self) -> int:
+        """Lost messages a history replay brought back."""
+        return self._gaps.recovered
+
+    def _resync(self) -> None:
+        """Subscribe again: the sender answers every join with the schema and its history, which carries
+        the lost steps under their own numbers (duplicates are dropped by number, see :meth:`_fresh`)."""
+        now = time.monotonic()
+        if now - self._resync_at < RESYNC_MIN_S:
+            return
+        self._resync_at, self._unasked = now, 0
+        self.resyncs += 1
+        zmq = self._zmq
+        try:
+            self._sock.setsockopt(zmq.UNSUBSCRIBE, b"")
+            self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        except Exception:  # noqa: BLE001 - a closed socket: nothing to recover into
+            pass
 
     # ------------------------------------------------------------------ receiving
 
@@ -98,7 +140,7 @@ class Client:
             early, self._early = list(self._early), deque(maxlen=4096)
             items: list[Message] = [*early, *(msg.steps if isinstance(msg, History) else ()),
                                     *(msg.events if isinstance(msg, History) else ())]
-            for m in sorted(items, key=lambda m: m.seq):
+            for m in sorted(items, key=_order):
                 self._accept(m)
             if isinstance(msg, History):
                 return
@@ -107,8 +149,10 @@ class Client:
             for m in items:
                 self._accept(m)
             return
-        if isinstance(msg, (Step, Event)) and not self._fresh(msg.seq):
-            return
+        if isinstance(msg, (Step, Event)):
+            self._gaps.saw(msg.seq)
+            if not self._fresh(msg.seq):
+                return
         if isinstance(msg, Step):
             try:
                 self._check_step(msg)
@@ -117,6 +161,9 @@ class Client:
                 return
         if isinstance(msg, Heartbeat):
             self.last_heartbeat = msg
+            self._unasked += self._gaps.checkpoint(msg.seq)
+            if self._unasked:
+                self._resync()
         self._ready.append(msg)
 
     def _poll_frame(self, timeout: float) -> bool:

@@ -33,7 +33,7 @@ class Sink:
         self.conns: list[tuple[str, str]] = []
 
     def emit(self, batch: list[Any], info: dict[str, Any]) -> None:
-        assert set(info) == {"conn", "reason", "rejected", "received"}
+        assert set(info) == {"conn", "reason", "rejected", "received", "missed"}
         with self.lock:
             now = time.monotonic()
             self.calls.append((list(batch), dict(info)))
@@ -42,7 +42,7 @@ class Sink:
             if info["conn"]:
                 self.conns.append((info["conn"], info["reason"]))
                 self.state.set_conn(Conn(info["conn"]), info["reason"])
-            self.state.set_viewer_counters(info["rejected"], info["received"])
+            self.state.set_viewer_counters(info["rejected"], info["received"], info["missed"])
 
     def messages(self) -> list[Any]:
         with self.lock:

@@ -30,9 +30,12 @@ from gradwatch.publisher.decode import StepDecoder, _EventItem
 
 HEARTBEAT_S = 1.0
 #: Steps drained together travel in one frame up to about this size...
-BATCH_BYTES = 256 * 1024
-#: ...and a history replay in chunks of about this size (one big step may still be larger).
-HISTORY_CHUNK_BYTES = 256 * 1024
+BATCH_BYTES = 32 * 1024
+#: ...and a history replay in chunks of about this size (one big step may still be larger). Small frames
+#: buy a deep send queue within the same byte budget: SNDHWM counts frames (docs/design.md, ZeroMQ 9), and
+#: with 256 KiB frames it was 32 -- a sidecar whose I/O thread lost the CPU for a fraction of a second on a
+#: loaded box dropped a step's frame without anyone knowing (now 256 frames, the same 8 MiB).
+HISTORY_CHUNK_BYTES = 32 * 1024
 #: Bytes of frames a subscriber that stops reading may hold in the trainer's send queue: SNDHWM (which
 #: counts frames) is set to this over the largest frame size (the data of a frame sent to many subscribers
 #: is shared, so this bounds the unique bytes queued, not per-subscriber copies).
@@ -193,6 +196,10 @@ class Sender(threading.Thread):
                  "it has stopped publishing. Training is not affected.", key="sender-failed")
 
     def _next_seq(self) -> int:
+        """The next number for a step or an event. The frames that carry or announce them (schema, history,
+        batches, heartbeats) take the last number issued instead of a new one, so a viewer that sees a
+        heartbeat numbered H knows that every step and event numbered up to H was sent before it
+        (:mod:`gradwatch.gaps`)."""
         self._seq += 1
         return self._seq
 
@@ -227,7 +234,7 @@ class Sender(threading.Thread):
         if self._history_due and now - self._last_history >= HISTORY_MIN_INTERVAL_S:
             self._history_due = False
             self._last_history = now
-            self._send(self._schema_body(self._next_seq(), time.time()), zmq)
+            self._send(self._schema_body(self._seq, time.time()), zmq)
             self._send_history(zmq)
 
     def _send_history(self, zmq: Any) -> None:
@@ -238,11 +245,11 @@ class Sender(threading.Thread):
         limit = HISTORY_CHUNK_BYTES
         for body in steps:
             if chunk and size + len(body) > limit:
-                self._send(protocol.history_body(self.cfg.run, self._next_seq(), time.time(), chunk, []), zmq)
+                self._send(protocol.history_body(self.cfg.run, self._seq, time.time(), chunk, []), zmq)
                 chunk, size = [], 0
             chunk.append(body)
             size += len(body)
-        self._send(protocol.history_body(self.cfg.run, self._next_seq(), time.time(), chunk, events), zmq)
+        self._send(protocol.history_body(self.cfg.run, self._seq, time.time(), chunk, events), zmq)
 
     def _remember(self, body: bytes) -> None:
         h = self._history
@@ -257,7 +264,7 @@ class Sender(threading.Thread):
         counters["history"] = len(self._history)
         if self.cfg.counters_extra is not None:
             counters.update(self.cfg.counters_extra())
-        hb = Heartbeat(run=self.cfg.run, seq=self._next_seq(), ts=time.time(), step=self._last_step,
+        hb = Heartbeat(run=self.cfg.run, seq=self._seq, ts=time.time(), step=self._last_step,
                        counters=counters, paused=self._paused)
         return protocol.pack_body(hb)
 
@@ -357,7 +364,7 @@ class Sender(threading.Thread):
         if len(batch) == 1:
             self._send(batch[0], zmq)
             return
-        body = protocol.history_body(self.cfg.run, self._next_seq(), time.time(), batch, [])
+        body = protocol.history_body(self.cfg.run, self._seq, time.time(), batch, [])
         before = self.counters["dropped_send"]
         self._send(body, zmq)
         if self.counters["dropped_send"] > before:

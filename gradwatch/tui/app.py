@@ -212,7 +212,7 @@ class GradwatchApp(PauseActions, App[None]):
                 if conn:
                     self.state.set_conn(Conn(conn), info.get("reason", ""))
                 if "rejected" in info:
-                    self.state.set_viewer_counters(info.get("rejected", {}), info.get("received", 0))
+                    self.state.set_viewer_counters(info.get("rejected", {}), info.get("received", 0), info.get("missed", 0))
 
         source.run(emit, lambda: worker.is_cancelled)
 
@@ -319,7 +319,8 @@ class GradwatchApp(PauseActions, App[None]):
         st = self.state
         sc = st.schema
         rejected = sum(v for k, v in st.counters.items() if k.startswith("rejected_"))
-        dropped = st.counters.get("dropped_queue", 0) + st.counters.get("dropped_send", 0)
+        # the trainer's drops, and what the stream lost on the way to this viewer (gradwatch/gaps.py)
+        dropped = sum(st.counters.get(k, 0) for k in ("dropped_queue", "dropped_send", "viewer_missed"))
         return dict(conn=st.conn.value, name=sc.name if sc else None, run=sc.run if sc else None,
                     host=sc.host if sc else None, pid=sc.pid if sc else None, ranks=sc.world_size if sc else 1,
                     step=st.last_step, steps_per_s=st.steps_per_s, dropped=dropped, rejected=rejected,

@@ -4,7 +4,7 @@ A source's :meth:`Source.run` blocks in a worker thread and hands the UI side ba
 through ``emit(batch, info)``, at most ~20 times per second (:class:`Batcher`), so the app's
 lock is taken per batch, not per message (docs/design.md, "The viewer and terminals": a Python subscriber sees up to ~90k
 messages/s). ``info`` is ``{"conn": a Conn value or None, "reason": str, "rejected": dict,
-"received": int}``; ``conn`` is None when the connection state did not change, and a change is
+"received": int, "missed": int}`` (``missed``: steps and events lost on the way, :mod:`gradwatch.gaps`); ``conn`` is None when the connection state did not change, and a change is
 always delivered *after* the messages that preceded it. A source never raises: a failure becomes
 ``conn="LOST"`` with a one-line reason.
 
@@ -59,6 +59,7 @@ class Batcher:
         self.reason_now = ""
         self.rejected: dict[str, int] = {}
         self.received = 0
+        self.missed = 0  # steps and events the stream lost on the way here (Client.missed)
         self._counters_dirty = False
         self.last_emit = 0.0
 
@@ -74,9 +75,9 @@ class Batcher:
         self.conn_now, self.reason_now = conn, reason
         self._conn, self._reason = conn, reason
 
-    def counters(self, rejected: dict[str, int], received: int) -> None:
-        if received != self.received or rejected != self.rejected:
-            self.rejected, self.received = dict(rejected), int(received)
+    def counters(self, rejected: dict[str, int], received: int, missed: int = 0) -> None:
+        if received != self.received or rejected != self.rejected or missed != self.missed:
+            self.rejected, self.received, self.missed = dict(rejected), int(received), int(missed)
             self._counters_dirty = True
 
     def due(self) -> bool:
@@ -91,7 +92,7 @@ class Batcher:
             return
         batch, self._batch = self._batch, []
         info = {"conn": self._conn, "reason": self._reason if self._conn is not None else self.reason_now,
-                "rejected": dict(self.rejected), "received": self.received}
+                "rejected": dict(self.rejected), "received": self.received, "missed": self.missed}
         self._conn = None
         self._counters_dirty = False
         self.last_emit = time.monotonic()
@@ -131,7 +132,8 @@ class Source(abc.ABC):
         """Blocking; runs in a worker thread until ``cancelled()`` is True. Never raises.
 
         Calls ``emit(batch, info)`` at most ~20 times per second with everything received since the
-        last call; ``info = {"conn": Conn value or None, "reason": str, "rejected": dict, "received": int}``.
+        last call; ``info = {"conn": Conn value or None, "reason": str, "rejected": dict, "received": int,
+        "missed": int}``.
         """
 
 
@@ -279,7 +281,7 @@ class LiveSource(Source):
                         schema_seen = True
                         out.conn("LIVE", f"attached to {name}")
                 if now - out.last_emit >= out.interval:
-                    out.counters(dict(client.rejected), client.received)
+                    out.counters(dict(client.rejected), client.received, client.missed)
                     out.flush_if_due()
                 if msg is not None:
                     continue  # drain what is queued before the slower checks
@@ -292,7 +294,7 @@ class LiveSource(Source):
                         why = {"finished": "has finished", "stopped": "was stopped (Ctrl-C, SIGTERM)",
                                "crashed": "is gone (its process died without closing)"}
                         out.conn(conn, f"run {name} {why.get(state, 'disappeared (no connection file)')}")
-                        out.counters(dict(client.rejected), client.received)
+                        out.counters(dict(client.rejected), client.received, client.missed)
                         out.flush()
                         return info
                 if not schema_seen and quiet >= self.connect_timeout and not said_slow:

@@ -363,10 +363,13 @@ class RunState:
             return True
         return False
 
-    def set_viewer_counters(self, rejected: Mapping[str, int], received: int) -> None:
-        """The source's own counters: frames rejected by reason, frames received."""
+    def set_viewer_counters(self, rejected: Mapping[str, int], received: int, missed: int = 0) -> None:
+        """The source's own counters: frames rejected by reason, frames received, steps and events lost
+        on the way (``viewer_missed``, shown with the trainer's drops)."""
         new = {f"rejected_{clean(k, 40)}": int(v) for k, v in rejected.items()}
         new["received"] = int(received)
+        if missed:
+            new["viewer_missed"] = int(missed)
         for k in ("viewer_out_of_order", "viewer_dropped"):
             if k in self._viewer_counters:
                 new[k] = self._viewer_counters[k]

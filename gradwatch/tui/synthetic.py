@@ -176,7 +176,7 @@ def synthetic_messages(seed: int = 0, layers: int = 12, steps: int | None = 200,
                         message=f"optimizer step {step} skipped: non-finite gradients in 1 parameter(s)",
                         data={"params": 1})
         if step % HEARTBEAT_EVERY == HEARTBEAT_EVERY - 1:
-            yield Heartbeat(run=run, seq=nxt(), ts=ts, step=step,
+            yield Heartbeat(run=run, seq=seq, ts=ts, step=step,  # the last number issued, as a sender does
                             counters={"sent": seq, "dropped_queue": 0, "dropped_send": 0, "queued": 0},
                             paused=False)
         step += 1
