@@ -4,9 +4,9 @@ A source's :meth:`Source.run` blocks in a worker thread and hands the UI side ba
 through ``emit(batch, info)``, at most ~20 times per second (:class:`Batcher`), so the app's
 lock is taken per batch, not per message (docs/design.md, "The viewer and terminals": a Python subscriber sees up to ~90k
 messages/s). ``info`` is ``{"conn": a Conn value or None, "reason": str, "rejected": dict,
-"received": int, "missed": int}`` (``missed``: steps and events lost on the way, :mod:`gradwatch.gaps`); ``conn`` is None when the connection state did not change, and a change is
-always delivered *after* the messages that preceded it. A source never raises: a failure becomes
-``conn="LOST"`` with a one-line reason.
+"received": int, "missed": int}`` (``missed``: steps and events lost on the way, :mod:`gradwatch.gaps`);
+``conn`` is None when the connection state did not change, and a change is always delivered *after* the
+messages that preceded it. A source never raises: a failure becomes ``conn="LOST"`` with a one-line reason.
 
 * :class:`LiveSource`: a run's ZeroMQ stream through :class:`gradwatch.client.Client`, created
   inside the worker thread (zmq sockets are not thread-safe); waits for the run, follows it when it
