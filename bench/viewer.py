@@ -139,7 +139,7 @@ def make_schema(run: str, name: str, diagnose: bool = True) -> Any:
                     pid=os.getpid(), started=time.time(), torch_version="bench", optimizer="SGD",
                     hyper=({"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0},), every=1, control=False,
                     # as every trainer sends unless watch(diagnose=False): its sender diagnoses, the viewer does not
-                    diagnose=diagnose)
+                    diagnose=diagnose, numbered=True)
 
 
 class StepMaker:

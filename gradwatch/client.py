@@ -81,6 +81,7 @@ class Client:
         self._await_history = False
         self._ready: deque[Message] = deque()
         self._gaps = SeqGaps()
+        self._numbered = False  # the schema says its sender numbers as gaps.py needs
         self._resync_at = -RESYNC_MIN_S
         self._unasked = 0  # messages lost since the last replay asked for
         self.resyncs = 0  # history replays asked for after a loss
@@ -127,6 +128,7 @@ class Client:
                 self.rejected["invalid"] += 1
                 return
             self.schema = msg
+            self._numbered = msg.numbered  # an older trainer numbers otherwise: no loss can be judged
             self._ready.append(msg)
             # the sender follows a schema with the history at once; live messages that slipped in
             # before it (a slow joiner) wait for it, so that steps come out in order
@@ -150,7 +152,8 @@ class Client:
                 self._accept(m)
             return
         if isinstance(msg, (Step, Event)):
-            self._gaps.saw(msg.seq)
+            if self._numbered:
+                self._gaps.saw(msg.seq)
             if not self._fresh(msg.seq):
                 return
         if isinstance(msg, Step):
@@ -161,7 +164,8 @@ class Client:
                 return
         if isinstance(msg, Heartbeat):
             self.last_heartbeat = msg
-            self._unasked += self._gaps.checkpoint(msg.seq)
+            if self._numbered:
+                self._unasked += self._gaps.checkpoint(msg.seq)
             if self._unasked:
                 self._resync()
         self._ready.append(msg)

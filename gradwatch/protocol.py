@@ -97,6 +97,9 @@ class Schema:
     #: Published steps between detail steps (weight norms, update ratios), fixed at start-up: the same
     #: run gives the same detail steps every time. 0: unknown (an older trainer).
     detail_every: int = 0
+    #: Steps and events are numbered consecutively and every other frame carries the last number issued, so
+    #: a viewer can count what it lost (gradwatch/gaps.py). False: an older trainer, numbered otherwise.
+    numbered: bool = False
     seq: int = 0
     ts: float = 0.0
 
@@ -298,7 +301,7 @@ def body_of(msg: Message) -> dict[str, Any]:
             "rank": msg.rank, "world": msg.world_size, "host": msg.host, "pid": msg.pid,
             "started": msg.started, "torch": msg.torch_version, "optimizer": msg.optimizer,
             "hyper": [dict(h) for h in msg.hyper], "every": msg.every, "control": msg.control,
-            "diagnose": msg.diagnose, "detail": msg.detail_every,
+            "diagnose": msg.diagnose, "detail": msg.detail_every, "numbered": msg.numbered,
         }
     if isinstance(msg, Heartbeat):
         return {"k": "hb", "run": msg.run, "seq": msg.seq, "ts": msg.ts, "step": msg.step,

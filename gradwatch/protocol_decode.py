@@ -285,7 +285,8 @@ def _decode_schema(b: dict[str, Any]) -> Schema:
         torch_version=q.str("torch", max_len=64), optimizer=q.str("optimizer", max_len=256),
         hyper=tuple(_scalars(h, "schema.hyper") for h in hyper), every=q.int("every", lo=1),
         control=q.bool("control"), diagnose=q.bool("diagnose", default=False),
-        detail_every=q.int("detail", default=0, hi=1 << 30), seq=q.int("seq"), ts=q.num("ts"),
+        detail_every=q.int("detail", default=0, hi=1 << 30), numbered=q.bool("numbered", default=False),
+        seq=q.int("seq"), ts=q.num("ts"),
     )
 
 

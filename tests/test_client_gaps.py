@@ -59,6 +59,7 @@ class _Publisher:
         msgs = list(synthetic_messages(seed=1, layers=3, steps=40))
         schema = next(m for m in msgs if isinstance(m, P.Schema))
         self.schema = dataclasses.replace(schema, run=self.run)
+        assert self.schema.numbered  # the synthetic stream numbers as a sender does
         self.steps = [dataclasses.replace(m, run=self.run) for m in msgs if isinstance(m, P.Step)]
         self.seq = 0
 
@@ -147,6 +148,30 @@ def test_replays_are_rate_limited_for_a_viewer_that_keeps_losing(runtime: Path) 
             pub.heartbeat(4 * k + 3)
         _drain(c)
         assert c.missed == 5 and c.resyncs == 1
+    finally:
+        c.close()
+        pub.close()
+
+
+def test_an_older_trainer_numbered_otherwise_is_never_judged(runtime: Path) -> None:
+    """A schema without ``numbered`` (a trainer that gave heartbeats and batches numbers of their own): the
+    holes its numbering leaves are not losses, and no replay is asked for."""
+    pub = _Publisher(runtime)
+    pub.schema = dataclasses.replace(pub.schema, numbered=False)
+    c = client_mod.Client(transport.find_run(pub.run))
+    try:
+        pub.subscription()
+        pub.join([])
+        c.wait_schema(5)
+        for k in range(4):
+            pub.seq += 1  # the old heartbeat's own number
+            pub.heartbeat(k)
+            pub.send(pub.step(k))
+        pub.seq += 1
+        pub.heartbeat(4)
+        assert sorted(_drain(c)) == [0, 1, 2, 3]
+        assert c.missed == 0 and c.resyncs == 0
+        assert not pub.pub.poll(300, zmq.POLLIN)  # no unsubscribe/subscribe came
     finally:
         c.close()
         pub.close()

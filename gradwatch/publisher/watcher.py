@@ -109,7 +109,7 @@ class Watcher:
             host=_socket.gethostname(), pid=self._pid, started=time.time(), torch_version=torch.__version__,
             optimizer=type(optimizer).__name__ if optimizer is not None else "", hyper=tuple(hyper),
             every=cfg.every, control=False,  # set once the control socket is bound
-            diagnose=cfg.diagnose is not False, detail_every=detail_every,
+            diagnose=cfg.diagnose is not False, detail_every=detail_every, numbered=True,
         )
         if cfg.diagnose is not False:
             self._collector.first.learn(model, params)

@@ -72,7 +72,7 @@ def synthetic_schema(seed: int = 0, layers: int = 12, name: str = "synthetic", h
             params[k] = ParamInfo(hostile, p.shape, p.dtype, p.numel, p.module)
     return Schema(run=run, name=name, params=tuple(params), modules=tuple(modules), host="synthetic", pid=0,
                   started=_T0, torch_version="", optimizer="AdamW",
-                  hyper=({"lr": 3e-4, "weight_decay": 0.01},), every=1, control=False, seq=0, ts=_T0)
+                  hyper=({"lr": 3e-4, "weight_decay": 0.01},), every=1, control=False, numbered=True, seq=0, ts=_T0)
 
 
 def _lr(step: int, steps: int | None) -> float:
