@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 from gradwatch import protocol
 from gradwatch.curve import secure_client
-from gradwatch.gaps import SeqGaps
+from gradwatch.gaps import Seen, SeqGaps
 from gradwatch.protocol import DecodeError, Event, Heartbeat, History, Message, Schema, Step
 from gradwatch.transport import RunInfo, TransportError, find_run, list_runs
 
@@ -76,7 +76,7 @@ class Client:
         self.rejected: Counter[str] = Counter()
         self.received = 0
         self.last_heartbeat: Heartbeat | None = None
-        self._seen = protocol.Seen(_SEEN_MAX)
+        self._seen = Seen(_SEEN_MAX)
         self._early: deque[Message] = deque(maxlen=4096)  # messages that arrived before the schema+history
         self._await_history = False
         self._ready: deque[Message] = deque()

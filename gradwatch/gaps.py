@@ -7,10 +7,13 @@ them (schema, history, batches, heartbeats) take the last number issued instead 
 (``Sender._next_seq``); it sends everything from one thread, in order. So when a heartbeat numbered ``H``
 arrives, every step and event numbered up to ``H`` has either arrived or is lost. The client counts what it
 lost and asks for a history replay, which carries lost steps and events under their own numbers
-(:class:`SeqGaps` tells it which of them came back).
+(:class:`SeqGaps` tells it which of them came back). :class:`Seen` drops the duplicates a replay brings.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from typing import Any
 
 #: Lost numbers remembered for recovery; beyond this only the count grows (a viewer away for hours).
 LOST_MAX = 100_000
@@ -64,3 +67,22 @@ class SeqGaps:
         else:
             self.lost_uncounted += lost
         return lost
+
+
+class Seen:
+    """A bounded set of message keys, to drop the duplicates a history replay brings."""
+
+    def __init__(self, limit: int = 50_000) -> None:
+        self._keys: set[Any] = set()
+        self._order: Any = deque()
+        self._limit = limit
+
+    def fresh(self, key: Any) -> bool:
+        """True the first time ``key`` is seen (within the last ``limit`` keys)."""
+        if key in self._keys:
+            return False
+        self._keys.add(key)
+        self._order.append(key)
+        if len(self._order) > self._limit:
+            self._keys.discard(self._order.popleft())
+        return True

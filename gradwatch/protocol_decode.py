@@ -16,6 +16,7 @@ import msgpack
 from gradwatch.frames import (
     EVENT_NAMES, MAX_PARAMS, MAX_STR, PROTOCOL_VERSION, DecodeError, ReplayGuard, Signer,
 )
+from gradwatch.gaps import Seen  # noqa: F401 - re-exported (protocol.Seen)
 from gradwatch.protocol import (
     ActStats, Command, DataStats, Event, Heartbeat, History, Message, ModuleInfo, ParamInfo, Reply, Schema,
     Step, f32_array,
@@ -378,24 +379,3 @@ def check_step(schema: Schema, s: Step) -> None:
         raise DecodeError("invalid", "activation module index out of range")
     if s.first_nonfinite_module is not None and s.first_nonfinite_module >= nmod:
         raise DecodeError("invalid", "module index out of range")
-
-
-class Seen:
-    """A bounded set of message keys, to drop the duplicates a history replay brings."""
-
-    def __init__(self, limit: int = 50_000) -> None:
-        from collections import deque
-
-        self._keys: set[Any] = set()
-        self._order: Any = deque()
-        self._limit = limit
-
-    def fresh(self, key: Any) -> bool:
-        """True the first time ``key`` is seen (within the last ``limit`` keys)."""
-        if key in self._keys:
-            return False
-        self._keys.add(key)
-        self._order.append(key)
-        if len(self._order) > self._limit:
-            self._keys.discard(self._order.popleft())
-        return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from typing import Callable
@@ -25,8 +26,6 @@ def wait_for(session: str, ok: Callable[[str], bool], timeout: float = 30.0) -> 
 def pdb_answer(screen: str, command: str) -> str | None:
     """The line pdb printed right after ``(Pdb) <command>`` on the screen, as the number alone on it inside
     the console's borders; None until it is there (the echo of the command shows before its answer)."""
-    import re
-
     lines = screen.splitlines()
     at = next((i for i, line in enumerate(lines) if f"(Pdb) {command}" in line), None)
     if at is None or at + 1 >= len(lines):
