@@ -43,12 +43,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from gradwatch.publisher.debugger import BANNER, DebugChannel, debug_session
-from gradwatch.publisher.pause_commands import (
-    BACKLOG_CHARS,
-    PAUSE_ON_KINDS,
-    PauseCommands,
-    Request,
-)
+from gradwatch.publisher.pause_commands import BACKLOG_CHARS, PAUSE_ON_KINDS, PauseCommands, Request
 
 if TYPE_CHECKING:  # pragma: no cover
     from gradwatch.publisher.rounds import StoreCoordinator
