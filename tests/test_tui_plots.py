@@ -88,7 +88,7 @@ def test_a_key_redraws_at_once_and_only_the_plot_that_changed() -> None:
             await pilot.pause(0.3)
             assert app.query_one("#table", HeatTable).row_count == 24
             before = {p: app.query_one(p, SeriesPlot).builds for p in PLOTS}
-            app._next_plots = time.monotonic() + 60  # the live interval would not allow a redraw for a minute
+            app._pacer.next_plots = time.monotonic() + 60  # the live interval would not allow a redraw for a minute
             table = app.query_one("#table", HeatTable)
             table.focus()
             await pilot.press("down", "enter")

@@ -11,40 +11,35 @@ from __future__ import annotations
 
 import threading
 import time
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from textual import work
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import Footer, Input, Static
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from gradwatch.tui.pause import PauseActions
-from gradwatch.tui.screens.help import HelpScreen
-from gradwatch.tui.screens.picker import PickerScreen
-from gradwatch.tui.keys import commands, help_rows, load_config
+from gradwatch.tui.keys import load_config
 from gradwatch.tui.malloc import release_big_buffers
+from gradwatch.tui.pacing import FRAME_BUDGET, UI_CPU_BUDGET, FramePacer
+from gradwatch.tui.pause import PauseActions
+from gradwatch.tui.screens.picker import PickerScreen
 from gradwatch.tui.sources import Source
 from gradwatch.tui.state import Conn, RunState
+from gradwatch.tui.view_actions import SORTS, ViewActions
 from gradwatch.tui.widgets.activations import ActivationPanel
 from gradwatch.tui.widgets.alerts import AlertPane
 from gradwatch.tui.widgets.heat_table import MAX_ROWS, HeatTable
-from gradwatch.tui.widgets.plots import SeriesPlot, plot_interval
+from gradwatch.tui.widgets.plots import SeriesPlot
 from gradwatch.tui.widgets.sparks import SparkHeader
 from gradwatch.tui.widgets.status import StatusBar, status_text
 
-SORTS = ("anomaly", "grad", "nonfinite", "name")
+__all__ = ["FRAME_BUDGET", "HEAT_WIDTH", "SORTS", "UI_CPU_BUDGET", "GradwatchApp", "make_app"]
+
 HEAT_WIDTH = 24
-#: The UI thread may spend about this share of a core drawing; costlier frames space out the next ones.
-#: Frames are cheap now (~7 ms at 1,000 layers: bench README 5.4), so the budget is low: a slower machine
-#: or a bigger model gets fewer frames, not more CPU (issue 13: the viewer <= 0.25 core at 1,000 steps/s).
-FRAME_BUDGET = 0.12
-#: ...and the UI thread as a whole (frames plus Textual's rendering) about this share of a core.
-UI_CPU_BUDGET = 0.18
 #: Below this many (columns, rows) the plots give way to one sparkline each (plotext lost its titles).
 COMPACT_BELOW = (100, 30)
 #: Actions that act on a trainer: hidden for a replay or the synthetic demo.
@@ -60,8 +55,7 @@ WAITING_TEXT = (
 )
 
 
-
-class GradwatchApp(PauseActions, App[None]):
+class GradwatchApp(PauseActions, ViewActions, App[None]):
     """Live (or replayed) telemetry of one training run."""
 
     CSS_PATH = "app.tcss"
@@ -122,20 +116,16 @@ class GradwatchApp(PauseActions, App[None]):
         self._pick = pick
         self.read_only = read_only
         self._refresh_hz = refresh_hz
+        self._pacer = FramePacer(refresh_hz)
         self._clock = clock
         self._seen_version = -1
         self._view_dirty = True
-        self._next_frame = 0.0
-        self._next_plots = 0.0
         self._plots_stale = False
         self._plots_version = -1  # the model's version the plots last showed
-        self._plot_cost: float | None = None  # seconds one round of plot builds took (smoothed)
         self.plot_builds = 0  # rounds of plot drawing that rebuilt at least one plot
         self._last_conn: str | None = None
         self._table_stale = False
         self._alerts_title = ""
-        self._cpu_mark: tuple[float, float] | None = None
-        self._cpu_share: float | None = None
         self.recording = recording
         self.errors = 0
         self._source: Source | None = None
@@ -236,7 +226,8 @@ class GradwatchApp(PauseActions, App[None]):
         plot_cost = 0.0  # plotext's share of this frame: paced by its own interval, not by FRAME_BUDGET
         with self._lock:  # the connection state ages on every tick, whatever the frame pacing
             changed = self.state.tick(self._clock())
-        if start < self._next_frame and not self._view_dirty and not changed:
+        pacer = self._pacer
+        if start < pacer.next_frame and not self._view_dirty and not changed:
             return
         try:
             with self._lock:
@@ -254,7 +245,7 @@ class GradwatchApp(PauseActions, App[None]):
                 force = self._view_dirty
                 if full:
                     # a key or resize (force), a pause, the run ending: at once; else at the plot interval
-                    plots_due = force or newly_paused or conn_changed or start >= self._next_plots
+                    plots_due = force or newly_paused or conn_changed or start >= pacer.next_plots
                     plots = self._plot_data() if plots_due else None
                     if plots_due:
                         self._plots_version = version
@@ -287,7 +278,7 @@ class GradwatchApp(PauseActions, App[None]):
                     self.query_one("#sparks", SparkHeader).show(plots, log=self.log_scale)
                 elif plots is not None:
                     p0 = time.monotonic()
-                    self._next_plots = start + self._plot_interval(self._draw_plots(plots))
+                    pacer.plots_drawn(start, self._draw_plots(plots))
                     plot_cost = time.monotonic() - p0
                 if table is not None:
                     rows, heats, matched = table
@@ -304,16 +295,7 @@ class GradwatchApp(PauseActions, App[None]):
             if self.errors <= 3:
                 self.notify(f"display error: {type(exc).__name__}: {exc}"[:300], severity="error")
         finally:
-            cost = time.monotonic() - start - plot_cost
-            # The UI thread's CPU share since the last frame includes Textual composing the screen,
-            # which our own frame cost does not see: stretch the interval when it runs above budget.
-            cpu = time.thread_time()
-            if self._cpu_mark is not None and start > self._cpu_mark[1]:
-                share = (cpu - self._cpu_mark[0]) / (start - self._cpu_mark[1])
-                self._cpu_share = share if self._cpu_share is None else 0.7 * self._cpu_share + 0.3 * share
-            self._cpu_mark = (cpu, time.monotonic())
-            stretch = max(1.0, (self._cpu_share or 0.0) / UI_CPU_BUDGET)
-            self._next_frame = start + max(stretch / self._refresh_hz, cost / FRAME_BUDGET)
+            pacer.frame_done(start, time.monotonic() - start - plot_cost)
 
     def _status_fields(self) -> dict[str, Any]:
         st = self.state
@@ -383,13 +365,6 @@ class GradwatchApp(PauseActions, App[None]):
         self.plot_builds += 1
         return time.thread_time() - t0
 
-    def _plot_interval(self, cost: float | None) -> float:
-        """Seconds until the plots may be rebuilt while live (plots.plot_interval), from plotext's smoothed
-        cost and the UI thread's CPU share."""
-        if cost is not None:
-            self._plot_cost = cost if self._plot_cost is None else 0.7 * self._plot_cost + 0.3 * cost
-        return plot_interval(self._plot_cost, max(1.0, (self._cpu_share or 0.0) / UI_CPU_BUDGET))
-
     def _redraw(self) -> None:
         """View state changed (a key): draw on the next loop turn, not from inside a watcher."""
         self._view_dirty = True
@@ -417,106 +392,6 @@ class GradwatchApp(PauseActions, App[None]):
 
     def watch_focus_step(self) -> None:
         self._redraw()  # the chosen alert's marker appears (or goes, on escape) at once
-
-    # ------------------------------------------------------------------ actions
-
-    def action_help(self) -> None:
-        self.push_screen(HelpScreen(help_rows(self)))
-
-    def get_system_commands(self, screen: Any) -> Iterable[SystemCommand]:
-        """The palette (ctrl+p) offers every viewer action by name, next to Textual's own."""
-        yield from super().get_system_commands(screen)
-        for title, text, action in commands(self):
-            yield SystemCommand(title, text, partial(self.run_action, action))
-
-    def action_filter(self) -> None:
-        box = self.query_one("#filter", Input)
-        box.display = True
-        box.value = self.pattern
-        box.focus()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        if event.input.id == "filter":
-            self.pattern = event.value
-            event.input.display = bool(event.value)
-            self.query_one("#table", HeatTable).focus()
-
-    def action_clear(self) -> None:
-        box = self.query_one("#filter", Input)
-        if box.has_focus or self.pattern:
-            self.pattern = ""
-            box.value = ""
-            box.display = False
-            self.query_one("#table", HeatTable).focus()
-        self.selected_layer = None
-        self.focus_step = None
-
-    def action_cycle_sort(self) -> None:
-        self.sort_key = SORTS[(SORTS.index(self.sort_key) + 1) % len(SORTS)]
-        self.notify(f"sorted by {self.sort_key}", timeout=2)
-
-    def action_freeze(self) -> None:
-        self.frozen = not self.frozen
-
-    def action_log_scale(self) -> None:
-        self.log_scale = not self.log_scale
-
-    def action_group_modules(self) -> None:
-        self.by_module = not self.by_module
-
-    def action_reconnect(self) -> None:
-        if self._source_factory is None:
-            return
-        self.workers.cancel_group(self, "receiver")
-        with self._lock:
-            self.state.set_conn(Conn.WAITING, "reconnecting")
-        self._start_source()
-        self.notify("reconnecting", timeout=2)
-
-
-    def on_heat_table_row_selected(self, event: HeatTable.RowSelected) -> None:
-        self.selected_layer = event.layer
-
-    def on_heat_table_window_moved(self) -> None:
-        self._table_stale = True  # rows scrolled into view get their heat strips on the next frame
-
-    def on_alert_pane_silence(self, event: AlertPane.Silence) -> None:
-        a = event.alert
-        if event.what == "layer" and not a.layer:  # not the whole kind behind the user's back
-            self.notify("this alert names no layer; x silences alerts of its kind", timeout=4)
-            return
-        if event.what == "layer":
-            self.silenced_layers.add(a.layer)
-            self.notify(f"alerts about {a.layer} silenced (u: unsilence all)", timeout=3)
-        else:
-            self.silenced_kinds.add(a.kind)
-            self.notify(f"{a.kind} alerts silenced (u: unsilence all)", timeout=3)
-        self._redraw()
-
-    def action_unsilence(self) -> None:
-        if self.silenced_kinds or self.silenced_layers:
-            self.silenced_kinds.clear()
-            self.silenced_layers.clear()
-            self.notify("every alert shown again", timeout=2)
-            self._redraw()
-
-    def on_alert_pane_alert_chosen(self, event: AlertPane.AlertChosen) -> None:
-        alert = event.alert
-        self.focus_step = alert.step
-        if alert.layer:
-            names = self.state.names
-            if alert.layer in names:
-                index = names.index(alert.layer)
-                if self.by_module:
-                    self.by_module = False
-                self.pattern = ""
-                self._redraw()
-                table = self.query_one("#table", HeatTable)
-                table.select_index(index)
-                self.selected_layer = index
-                table.focus()
-        self._redraw()
-
 
 def make_app(source_factory: Callable[[], Source] | None = None, **kwargs: Any) -> GradwatchApp:
     """The one place the CLI, the tests and the demo build a viewer."""
