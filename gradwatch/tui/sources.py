@@ -8,7 +8,8 @@ A source never raises: a failure becomes ``conn="LOST"`` with a one-line reason.
 * :class:`LiveSource`: a run's ZeroMQ stream through :class:`gradwatch.client.Client`, created
   inside the worker thread (zmq sockets are not thread-safe); waits for the run, follows it when it
   dies and comes back (a restarted trainer with the same name), optionally records every message.
-* :class:`ReplaySource`: a recording (:mod:`gradwatch.record`), at recorded speed or faster.
+* :class:`~gradwatch.tui.replay_source.ReplaySource`: a recording (:mod:`gradwatch.record`), at recorded
+  speed or faster (re-exported here).
 * :class:`~gradwatch.tui.synthetic.SyntheticSource`: a seeded fake stream (re-exported here).
 No Textual and no torch: plain threads' work, testable without a terminal.
 """
@@ -16,22 +17,16 @@ No Textual and no torch: plain threads' work, testable without a terminal.
 from __future__ import annotations
 
 import dataclasses
-import math
-import queue
-import threading
 import time
 from typing import Any, Callable
 
-from gradwatch.protocol import Event, Schema
-from gradwatch.tui.source_base import EMIT_INTERVAL_S, Batcher, Emit, Source, _sleep, idle_until_cancelled  # noqa: F401
+from gradwatch.protocol import Schema
 from gradwatch.text import clean
 from gradwatch.transport import RunInfo, TransportError, find_run, list_runs, read_connection_file
+from gradwatch.tui.replay_source import MAX_REPLAY_GAP_S, ReplaySource  # noqa: F401 - re-exported
+from gradwatch.tui.source_base import EMIT_INTERVAL_S, Batcher, Emit, Source, _sleep, idle_until_cancelled  # noqa: F401
 
 __all__ = ["Batcher", "Emit", "LiveSource", "ReplaySource", "Source", "SyntheticSource", "idle_until_cancelled"]
-
-#: Replay: idle gaps in a recording are shortened to this many seconds (before dividing by speed).
-MAX_REPLAY_GAP_S = 2.0
-
 
 # --------------------------------------------------------------------------- live
 
@@ -229,168 +224,6 @@ def _silence(info: RunInfo, rejected: Any, timeout: float) -> str:
         return clean(f"{info.stream} answers, but not with this run's signed frames ({detail}): a foreign endpoint "
                      f"or a stale key", 200)
     return clean(f"no schema from {info.stream} within {timeout:g} s; still trying", 200)
-
-
-# --------------------------------------------------------------------------- replay
-
-
-_END = object()
-
-
-def _snapshot(counter: Any) -> dict[str, int]:
-    """A copy of a Counter another thread may be updating (a copy can race with an insert)."""
-    for _ in range(3):
-        try:
-            return dict(counter)
-        except RuntimeError:
-            continue
-    return {}
-
-
-class ReplaySource(Source):
-    """A recording played back through the same path as live data.
-
-    Args:
-        path: a ``.gwrec`` file (:mod:`gradwatch.record`).
-        speed: 1.0 replays with the recorded timing, 2.0 twice as fast; 0 or inf: as fast as possible.
-            Idle gaps are shortened to :data:`MAX_REPLAY_GAP_S` before dividing by the speed.
-        follow: keep reading a file that is still being written (``tail -f``); no FINISHED at its end.
-
-    Records the reader drops (corrupt, invalid) are reported as ``info["rejected"]``.
-    """
-
-    kind = "replay"
-
-    def __init__(self, path: Any, *, speed: float = 1.0, follow: bool = False) -> None:
-        speed = float(speed)
-        if math.isnan(speed) or speed < 0:
-            raise ValueError("speed must be >= 0 (0 or inf: as fast as possible)")
-        self.path = path
-        self.speed = speed
-        self.follow = follow
-        self.label = f"replay: {clean(str(path), 80)}"
-
-    def run(self, emit: Emit, cancelled: Callable[[], bool]) -> None:
-        out = Batcher(emit)
-        done = threading.Event()
-        try:
-            self._run(out, cancelled, done)
-        except Exception as exc:  # noqa: BLE001 - a source never raises
-            out.conn("LOST", clean(f"replay failed: {type(exc).__name__}: {exc}", 200))
-        finally:
-            done.set()
-        if not cancelled():
-            idle_until_cancelled(out, cancelled)
-        out.flush()
-
-    def _run(self, out: Batcher, cancelled: Callable[[], bool], done: threading.Event) -> None:
-        try:
-            from gradwatch.record import read_recording
-        except ImportError as exc:
-            out.conn("LOST", f"cannot replay: recording support is missing ({exc})")
-            return
-        show = clean(str(self.path), 100)
-
-        def stop() -> bool:
-            return done.is_set() or cancelled()
-
-        try:
-            reader = read_recording(self.path, follow=self.follow, stop=stop)
-        except Exception as exc:  # noqa: BLE001 - RecordingError and OSError alike: a one-line reason
-            out.conn("LOST", clean(str(exc), 200))
-            return
-        # Reading runs in its own thread: in follow mode the reader blocks waiting for the file to
-        # grow, and the pending batch must still reach the viewer on time.
-        q: queue.Queue[Any] = queue.Queue(maxsize=4096)
-        failure: list[BaseException] = []
-
-        def put(item: Any) -> bool:
-            while not stop():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def read() -> None:
-            try:
-                for item in reader:
-                    if not put(item):
-                        return
-                total.append(reader.records)  # read to the end: now "how far" can be a share
-            except Exception as exc:  # noqa: BLE001 - reported by the consumer
-                failure.append(exc)
-            put(_END)
-
-        total: list[int] = []
-        thread = threading.Thread(target=read, name="gradwatch-replay-reader", daemon=True)
-        thread.start()
-        speed = "as fast as it reads" if not 0 < self.speed < math.inf else f"x{self.speed:g}"
-        shown_at = [0.0]
-
-        def progress(force: bool = False) -> None:
-            now = time.monotonic()
-            if force or now - shown_at[0] >= 0.5:
-                shown_at[0] = now
-                if total and not self.follow:
-                    where = f"{min(100, 100 * played // max(1, total[0]))} % of"
-                else:
-                    where = f"{played:,} records into"
-
-                out.conn("REPLAY", f"{speed}, {where} {show}")
-
-        played = 0
-        progress(force=True)
-        goodbye = ""
-        paced = 0 < self.speed < math.inf
-        wall0 = 0.0
-        virtual = 0.0
-        prev_t: float | None = None
-        try:
-            while not cancelled():
-                try:
-                    item = q.get(timeout=0.05)
-                except queue.Empty:
-                    out.counters(_snapshot(reader.skipped), reader.records)
-                    out.flush_if_due()
-                    continue
-                if item is _END:
-                    break
-                t, msg = item
-                played += 1
-                if paced and isinstance(t, float) and math.isfinite(t):
-                    if prev_t is None:
-                        wall0, prev_t = time.monotonic(), t
-                    virtual += min(max(t - prev_t, 0.0), MAX_REPLAY_GAP_S) / self.speed
-                    prev_t = max(prev_t, t)
-                    while not cancelled():
-                        left = wall0 + virtual - time.monotonic()
-                        if left <= 0:
-                            break
-                        out.flush_if_due()
-                        time.sleep(min(left, 0.02))
-                out.add(msg)
-                if isinstance(msg, Event) and msg.event in ("finished", "crashed"):
-                    goodbye = msg.event
-                if out.due():
-                    out.counters(_snapshot(reader.skipped), reader.records)
-                    progress()
-                    out.flush_if_due()
-            if cancelled():
-                return
-            out.counters(_snapshot(reader.skipped), reader.records)
-            if failure:
-                out.conn("LOST", clean(f"cannot read {show}: {failure[0]}", 200))
-            elif not self.follow and goodbye:  # as recorded: the trainer said goodbye, finished or crashed
-                out.conn(goodbye.upper(), f"end of recording {show}")
-            elif not self.follow:  # killed (SIGKILL, OOM), or recorded only in part: not FINISHED
-                out.conn("LOST", f"end of recording {show}: no goodbye from the trainer in it (killed, or "
-                                 f"recorded only in part)")
-            out.flush()
-        finally:
-            done.set()
-            thread.join(timeout=1.0)
 
 
 def __getattr__(name: str) -> Any:
