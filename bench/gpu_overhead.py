@@ -278,7 +278,7 @@ class Runner:
         self.segs: list[float] = []
 
     def step(self) -> None:
-        model, opt = self.model, self.opt
+        opt = self.opt
         PHASE[0] = "forward+backward"
         opt.zero_grad(set_to_none=True)
         amp = (torch.autocast(device_type=self.dev.type, dtype=torch.bfloat16) if self.bf16

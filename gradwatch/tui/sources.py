@@ -26,7 +26,7 @@ from gradwatch.transport import RunInfo, TransportError, find_run, list_runs, re
 from gradwatch.tui.replay_source import MAX_REPLAY_GAP_S, ReplaySource  # noqa: F401 - re-exported
 from gradwatch.tui.source_base import EMIT_INTERVAL_S, Batcher, Emit, Source, _sleep, idle_until_cancelled  # noqa: F401
 
-__all__ = ["Batcher", "Emit", "LiveSource", "ReplaySource", "Source", "SyntheticSource", "idle_until_cancelled"]
+__all__ = ["Batcher", "Emit", "LiveSource", "ReplaySource", "Source", "SyntheticSource", "idle_until_cancelled"]  # noqa: F822 - SyntheticSource: lazily, by __getattr__ below
 
 # --------------------------------------------------------------------------- live
 
