@@ -4,6 +4,8 @@ not the layers it starves."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -90,6 +92,24 @@ def test_no_vanishing_grad_on_a_healthy_spread_or_while_learning(rng: np.random.
     assert feed(d, (deep(k, rng, 1 / 8) for k in range(300))) == []  # 1/500 over the stack: a normal spread
     d = Diagnoser(mlp_schema())
     assert feed(d, (deep(k, rng, 1 / 40, loss=1.4 * 0.99 ** k) for k in range(300))) == []  # it learns anyway
+
+
+def test_no_vanishing_grad_under_adam_while_the_first_layer_gets_far_more_than_eps(rng: np.random.Generator) -> None:
+    """Adam rescales each element's gradient (g / (sqrt(v) + eps)): fc0 getting 6e-5 of the head's gradient per
+    element (~5e-7 each, 50x its eps) still learns at the head's pace; a plateau then is not a vanishing gradient."""
+    d = Diagnoser(mlp_schema(optimizer="Adam"))
+    assert feed(d, (deep(k, rng, 1 / 40) for k in range(300))) == []
+
+
+def test_vanishing_grad_under_adam_once_the_first_layer_is_down_at_eps(rng: np.random.Generator) -> None:
+    """...but ~3e-11 per element is below its eps (1e-8, or the one the steps carry): the update vanishes too."""
+    d = Diagnoser(mlp_schema(optimizer="Adam"))
+    (a,) = feed(d, (deep(k, rng, 1 / 1000) for k in range(200)))
+    assert (a.kind, a.layer) == ("vanishing_grad", "fc0.weight") and a.evidence["first_grad_per_element"] < 1e-9
+    d = Diagnoser(mlp_schema(optimizer="Adam"))  # a big eps told by the steps' hyper-parameters counts
+    big = [dataclasses.replace(deep(k, rng, 1 / 40), opt=({"lr": 1e-3, "eps": 1e-3},)) for k in range(200)]
+    (b,) = feed(d, big)
+    assert (b.kind, b.layer) == ("vanishing_grad", "fc0.weight")
 
 
 # --------------------------------------------------------------------------- dead_grad

@@ -30,6 +30,7 @@ class DyingRules:
         self._early: tuple[float, float | None] | None = None
         self._vanish_run = 0
         self._starved_run = 0
+        self._eps = 1e-8  # the adaptive optimizer's eps (torch's default for Adam, AdamW, RMSprop), once told
         self._zero_run = np.zeros(facts.n, dtype=np.int64)
         self._layer_step: int | None = None
         self._by_module = facts.params_by_module()
@@ -100,7 +101,8 @@ class DyingRules:
     def _starved(self, v: View, out: list[Alert]) -> None:
         """Structural vanishing: the first layer gets a vanishing share of the gradient per element compared
         with the layer that gets the most (healthy nets: >= ~4 %; a deep sigmoid stack: ~1e-8), and the loss
-        does not improve. Per element, not per weight norm: a tiny init (std 0.01) vanishes too."""
+        does not improve. Per element, not per weight norm: a tiny init (std 0.01) vanishes too. Under an adaptive
+        optimizer (Adam & co) only a gradient per element near its eps starves a layer: the update is rescaled."""
         t, f, m, step = self.t, self.f, self.m, v.step
         if m.steps < t.vanish_steps or not m.stuck(t.vanish_steps, 0.9):
             self._starved_run = 0  # learning (or too early to tell): nothing to explain
@@ -112,7 +114,12 @@ class DyingRules:
         first = f.forward_first(ok)
         best = int(np.nanargmax(per))
         ratio = float(per[first] / per[best])
-        self._starved_run = self._starved_run + 1 if ratio <= t.vanish_factor else 0
+        starved = ratio <= t.vanish_factor
+        if starved and f.adaptive:  # Adam & co rescale each element's gradient: small is not starved, ~eps is
+            eps = _eps_of(v.s.opt)
+            self._eps = eps if eps is not None else self._eps
+            starved = bool(per[first] <= t.adaptive_eps * self._eps)
+        self._starved_run = self._starved_run + 1 if starved else 0
         cond = self._starved_run >= 3
         if self.ep(("vanishing_grad",), cond, step) and cond:
             out.append(self.alert(
@@ -206,3 +213,11 @@ class DyingRules:
             f"never train{also}", layer=f.names[main],
             evidence={"steps": float(self._detached_run), "params": float(len(idx)), "modules": float(len(mods))}))
 
+
+def _eps_of(opt: object) -> float | None:
+    """The first parameter group's ``eps`` where the step carries the hyper-parameters (detail steps)."""
+    if isinstance(opt, (list, tuple)) and opt and isinstance(opt[0], dict):
+        eps = opt[0].get("eps")
+        if isinstance(eps, float) and math.isfinite(eps) and eps > 0:
+            return eps
+    return None

@@ -39,6 +39,7 @@ class ExplosionRules:
         self._total = Ema1()
         self._layers = Ema(facts.n)
         self._totals: deque[float] = deque(maxlen=t.explode_steps + 1)  # type: ignore[attr-defined]
+        self._loss_top = 0.0  # the largest running level of the loss so far (the scale of its rounding floor)
 
     def observe(self, v: View, out: list[Alert]) -> None:
         self._explosion(v, out)
@@ -148,10 +149,16 @@ class ExplosionRules:
     def _spikes(self, v: View, out: list[Alert]) -> None:
         t, m, step, loss, total = self.t, self.m, v.step, v.loss, v.total
         warm = m.steps >= t.warmup
+        # A loss that fell below loss_floor of its largest level is rounding noise (a memorised batch: 1e-9
+        # after 0.69); its jitter is x5-x10 from step to step and the gradients it leaves jump with it. Neither
+        # is a spike while the loss stays down there; a real one lifts the loss off the floor and is called.
+        floor = False
         if loss is not None and loss > 0:
             lz = self._loss.z(math.log10(loss))
             level = exp10(self._loss.mean) if self._loss.count else loss
-            spike = warm and lz >= t.spike_z and loss >= t.loss_spike_ratio * level
+            self._loss_top = max(self._loss_top, level)
+            floor = loss < t.loss_floor * self._loss_top
+            spike = warm and lz >= t.spike_z and loss >= t.loss_spike_ratio * level and not floor
             if self.ep(("loss_spike",), spike, step):
                 ev = {"loss": loss, "baseline": level, "z": lz, "ratio": loss / level}
                 lead = ""
@@ -167,7 +174,7 @@ class ExplosionRules:
             return
         tz = self._total.z(math.log10(total))
         level = exp10(self._total.mean) if self._total.count else total
-        spike = warm and tz >= t.spike_z and total >= t.grad_spike_ratio * level
+        spike = warm and tz >= t.spike_z and total >= t.grad_spike_ratio * level and not floor
         if not (spike or tz >= 3.0 or v.full):
             # per-layer statistics are the costly part (O(n) numpy per step): every layer_every steps,
             # on trouble steps, and whenever the total moved
@@ -196,7 +203,7 @@ class ExplosionRules:
                                   layer=top[0][0] if top else None, evidence=ev))
         if spike:
             m.last_grad_spike = step
-        if warm and not spike and self.f.n and float(np.max(np.where(ok, lzs, 0.0))) >= t.layer_spike_z:
+        if warm and not spike and not floor and self.f.n and float(np.max(np.where(ok, lzs, 0.0))) >= t.layer_spike_z:
             # one layer that jumps alone (the total may hide it); it must matter: >= 1% of the total
             level_l = np.power(10.0, self._layers.mean)
             ratio = np.where(level_l > 0, v.gn / level_l, 0.0)

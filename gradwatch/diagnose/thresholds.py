@@ -18,6 +18,8 @@ class Thresholds:
     loss_spike_ratio: float = 3.0  # ...and the loss at least this many times its running level
     grad_spike_ratio: float = 10.0  # ...and a gradient norm at least this many times its running level
     layer_spike_z: float = 10.0
+    loss_floor: float = 1e-6  # a loss below this fraction of the largest level it had is at the rounding floor
+    # (float32 resolves ~1.2e-7 of a value): its jitter, and the gradients it leaves, are not spikes
     explode_gw: float = 40.0  # a weight matrix's ||g|| / ||w|| this large in the first `warmup` steps is an
     # explosion (healthy runs: up to 17, on the article's MLP with its x10 "risky activation"; failing: 87+)
     init_scale: float = 5.0  # rms(w) * sqrt(fan_in) this large is a bad init (default init ~0.58, He ~1.4)
@@ -30,6 +32,8 @@ class Thresholds:
     dead_steps: int = 20  # consecutive steps of exactly-zero gradient (layer: dead; total: saturated)
     vanish_factor: float = 1e-4  # total norm below this fraction of its early level (or first layer vs best)...
     vanish_steps: int = 30  # ...for this many steps, while the loss did not improve
+    adaptive_eps: float = 10.0  # under Adam & co a layer is starved only below this many times the optimizer's
+    # eps per element: its update is g / (sqrt(v) + eps), so a small gradient is rescaled, not lost
     update_ratio: float = 0.02  # whole-model update ratio: the median over update_ratio_steps steps above this...
     update_ratio_window: int = 3  # ...of at least this many measurements...
     update_ratio_steps: int = 50
