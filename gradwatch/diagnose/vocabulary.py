@@ -90,7 +90,8 @@ KINDS: dict[str, Kind] = {
         ("learning_rate", "activation", "initialisation", "loss_function")),
     "vanishing_grad": Kind(
         "warning", "the total gradient norm collapsed by >= 10,000x, or the first layers get >= 10,000x less "
-        "gradient (relative to their weights) than the last, while the loss does not improve",
+        "gradient (relative to their weights) than the last (under Adam & co: and a gradient per element near the "
+        "optimizer's eps), while the loss does not improve",
         "no useful gradient reaches the parameters: saturated activations (a deep sigmoid/tanh stack) or a broken "
         "graph",
         "Use ReLU/GELU, normalisation layers or residual connections; check for detached tensors. A higher "
