@@ -116,8 +116,7 @@ class DyingRules:
         ratio = float(per[first] / per[best])
         starved = ratio <= t.vanish_factor
         if starved and f.adaptive:  # Adam & co rescale each element's gradient: small is not starved, ~eps is
-            eps = _eps_of(v.s.opt)
-            self._eps = eps if eps is not None else self._eps
+            self._eps = v.eps if v.eps is not None else self._eps
             starved = bool(per[first] <= t.adaptive_eps * self._eps)
         self._starved_run = self._starved_run + 1 if starved else 0
         cond = self._starved_run >= 3
@@ -212,12 +211,3 @@ class DyingRules:
             f"network but carries no gradient, so its parameters have had none for {self._detached_run} steps and "
             f"never train{also}", layer=f.names[main],
             evidence={"steps": float(self._detached_run), "params": float(len(idx)), "modules": float(len(mods))}))
-
-
-def _eps_of(opt: object) -> float | None:
-    """The first parameter group's ``eps`` where the step carries the hyper-parameters (detail steps)."""
-    if isinstance(opt, (list, tuple)) and opt and isinstance(opt[0], dict):
-        eps = opt[0].get("eps")
-        if isinstance(eps, float) and math.isfinite(eps) and eps > 0:
-            return eps
-    return None

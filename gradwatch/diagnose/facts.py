@@ -131,6 +131,7 @@ class View:
     wn: np.ndarray | None  # weight norms measured at this step
     wbad: np.ndarray | None  # indices with non-finite weights, if the weights were checked at this step
     lr: float | None
+    eps: float | None  # the first parameter group's eps (Adam & co), on steps that carry the hyper-parameters
     full: bool  # the per-layer rules run at this step
 
 
@@ -225,8 +226,10 @@ def decode(s: Step, facts: RunFacts, full: bool) -> View | None:
     elif wn is not None:
         wbad = np.flatnonzero(~np.isfinite(wn))  # an older trainer: the L2 norms are the check
     lr = s.opt[0].get("lr") if s.opt else None
+    eps = s.opt[0].get("eps") if s.opt else None
     return View(s=s, step=s.step, loss=s.loss if finite(s.loss) else None, total=s.total if finite(s.total) else None,
-                gn=gn, nograd=nograd, bad=bad, wn=wn, wbad=wbad, lr=float(lr) if finite(lr) else None, full=full)
+                gn=gn, nograd=nograd, bad=bad, wn=wn, wbad=wbad, lr=float(lr) if finite(lr) else None,
+                eps=float(eps) if finite(eps) and eps > 0 else None, full=full)
 
 
 def gradient_to_weight(v: View, facts: RunFacts, memory: Memory) -> np.ndarray:

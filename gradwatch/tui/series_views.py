@@ -8,12 +8,9 @@ numbers, NaN/Inf included, except :meth:`SeriesViews.heat`, which is display-rea
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from gradwatch.protocol import Step
-from gradwatch.tui.state_types import _HAS_BIT, SERIES, _deviation, _f32, _medians
+from gradwatch.tui.state_types import _HAS_BIT, SERIES, _deviation, _medians
 from gradwatch.tui.step_rings import StepRings
 
 #: Medians (the "typical norm" of a layer) use at most this many evenly spaced steps of the window.
@@ -39,16 +36,6 @@ class SeriesViews(StepRings):
         self._members = {int(m): self._perm[bounds[k]:bounds[k + 1]] for k, m in enumerate(self._mod_ids)}
         self._bit_byte = np.arange(n) >> 3
         self._bit_shift = (7 - (np.arange(n) & 7)).astype(np.uint8)
-
-    def top_layer(self, s: Step) -> tuple[int, float] | None:
-        """(index, norm) of the parameter with the largest finite gradient norm at step ``s``."""
-        gn = _f32(s.grad_norm)
-        if not len(gn):
-            return None
-        with np.errstate(invalid="ignore"):
-            g = np.where(np.isfinite(gn), gn, -np.inf)
-        i = int(np.argmax(g))
-        return (i, float(gn[i])) if math.isfinite(float(g[i])) else None
 
     def _order(self) -> np.ndarray:
         """Slots in step order (cached until the next insert)."""

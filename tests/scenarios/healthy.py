@@ -130,10 +130,7 @@ def memorise_one_batch(seed: int = 0, steps: int = 2000, lr: float = 1e-2) -> Sc
     9,000 steps)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    layers: list[nn.Module] = [nn.Linear(5, 64), nn.ReLU()]
-    for _ in range(10):
-        layers += [nn.Linear(64, 64), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(64, 1), nn.Sigmoid())
+    model = nn.Sequential(M.MLP(5, 64, 11, 1), nn.Sigmoid())  # fc0 5 -> 64, fc1..fc10 64 -> 64, head 64 -> 1
     x = torch.randn(16, 5, generator=gen)
     y = torch.randint(0, 2, (16, 1), generator=gen).float()
     return Scenario("healthy-memorise-one-batch", model, torch.optim.Adam(model.parameters(), lr=lr),
