@@ -51,6 +51,20 @@ __all__ = ["Watcher", "WatchConfig", "NullWatcher", "MAX_CONSECUTIVE_ERRORS"]
 MAX_CONSECUTIVE_ERRORS = 10
 
 
+def _at_fork(w: Watcher) -> None:
+    """Mark a forked child's copy of the watcher at the fork itself, so that :meth:`Watcher._live` (run on
+    every step, also from the optimizer hook) needs no ``os.getpid()`` syscall; ``os.fork()`` and
+    multiprocessing's fork both run ``register_at_fork`` handlers."""
+    ref = weakref.ref(w)
+
+    def child() -> None:
+        o = ref()
+        if o is not None:
+            o._forked = True
+
+    os.register_at_fork(after_in_child=child)
+
+
 class Watcher:
     """Publishes per-step telemetry of one model. Create it with :func:`gradwatch.watch`."""
 
@@ -68,6 +82,8 @@ class Watcher:
         self._errors = 0
         self._consecutive = 0
         self._forked_calls = 0
+        self._forked = False  # set in a forked child at the fork itself (_at_fork): no getpid() per step
+        _at_fork(self)
         self._closed = False
         self.disabled_reason: str | None = None
         self.sender: Any = None  # a Sender thread, or the SidecarSender of the sidecar process
@@ -327,7 +343,7 @@ class Watcher:
     def _live(self) -> bool:
         if self._closed or self.disabled_reason is not None:
             return False
-        if os.getpid() != self._pid:  # forked child: never touch the parent's sockets or threads
+        if self._forked:  # forked child: never touch the parent's sockets or threads
             self._forked_calls += 1
             return False
         return True
