@@ -343,10 +343,14 @@ def history_body(run: str, seq: int, ts: float, packed_steps: list[bytes], packe
 
 def __getattr__(name: str) -> Any:
     """The decoding half lives in :mod:`gradwatch.protocol_decode` (it imports this module, so it is
-    imported on first use rather than at the top): ``protocol.decode`` and friends still work."""
+    imported on first use rather than at the top): ``protocol.decode`` and friends still work. Each name
+    found is kept in this module, so only its first use pays for this call (the viewer's receiver calls
+    ``protocol.check_step`` for every step)."""
     from gradwatch import protocol_decode
 
     try:
-        return getattr(protocol_decode, name)
+        value = getattr(protocol_decode, name)
     except AttributeError:
         raise AttributeError(f"module 'gradwatch.protocol' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value

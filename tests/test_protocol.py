@@ -214,3 +214,46 @@ def test_decoder_property_any_msgpack_value(value: object) -> None:
 def test_key_id_does_not_reveal_key_and_differs_per_key() -> None:
     a, b = P.Signer(os.urandom(32)), P.Signer(os.urandom(32))
     assert a.key_id != b.key_id and len(a.key_id) == P.KEY_ID_LEN
+
+
+def _body_step(**over: object) -> dict:
+    """A step's body as the sender packs it, with fields overridden (raw msgpack values, not Step fields)."""
+    b = P.step_body(_step(nograd=(), data={"inputs": P.DataStats(10, 1, -1.0, 2.0, 0.5, 0.25)}))
+    data = over.pop("data_inputs", None)
+    if data is not None:
+        b["data"] = {"inputs": {**b["data"]["inputs"], **data}}  # type: ignore[dict-item]
+    b.update(over)
+    return b
+
+
+@pytest.mark.parametrize("over, expect", [
+    # values of the exact type take the inline path; the same values any other way go through the validators
+    ({"ts": 3, "total": 2, "loss": 1}, {"ts": 3.0, "total": 2.0, "loss": 1.0}),  # ints become floats
+    ({"loss": None}, {"loss": None}),
+    ({"nograd": [1]}, {"nograd": (1,)}),
+    ({"nograd": []}, {"nograd": ()}),
+    ({"data_inputs": {"min": 0, "max": 3, "mean": 1, "std": 0, "spread": 2}},
+     {"data": (0.0, 3.0, 1.0, 0.0, 2.0)}),
+])
+def test_inline_decoding_matches_the_validators(over: dict, expect: dict) -> None:
+    s = P.decode_body(msgpack.packb(_body_step(**over), use_bin_type=True))
+    assert isinstance(s, P.Step)
+    for k, v in expect.items():
+        if k == "data":
+            d = s.data["inputs"]
+            got = (d.min, d.max, d.mean, d.std, d.spread)
+            assert got == v and all(type(x) is float for x in got)
+        else:
+            assert getattr(s, k) == v and type(getattr(s, k)) is type(v)
+
+
+@pytest.mark.parametrize("over", [
+    {"step": True}, {"step": -1}, {"seq": 2**63}, {"step": 1.0}, {"run": "r" * 65}, {"run": 5}, {"ts": "1"},
+    {"total": None}, {"loss": "x"}, {"nograd": None}, {"nograd": [5]}, {"missed": None}, {"missed": {"x": 1}},
+    {"data_inputs": {"numel": True}}, {"data_inputs": {"numel": -1}}, {"data_inputs": {"nonfinite": 2**63}},
+    {"data_inputs": {"min": None}}, {"data_inputs": {"int": 1}}, {"data_inputs": {"spread": "0"}},
+])
+def test_inline_decoding_rejects_what_the_validators_reject(over: dict) -> None:
+    with pytest.raises(P.DecodeError) as e:
+        P.decode_body(msgpack.packb(_body_step(**over), use_bin_type=True))
+    assert e.value.reason == "invalid"
