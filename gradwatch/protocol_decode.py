@@ -145,9 +145,9 @@ def _decode_stats(v: Any, where: str) -> DataStats:
     # the common form first (two per step, ~8 validator calls each: ~40 % of a step's decoding): every
     # field already of its exact type is accepted as the validators below would; anything else goes to them
     if type(v) is dict:
-        g = v.get
-        numel, nonf, lo, hi, mean, std = g("numel"), g("nonfinite"), g("min"), g("max"), g("mean"), g("std")
-        integer, spread = g("int", False), g("spread")
+        get = v.get
+        numel, nonf, lo, hi, mean, std = get("numel"), get("nonfinite"), get("min"), get("max"), get("mean"), get("std")
+        integer, spread = get("int", False), get("spread")
         if (type(numel) is int and type(nonf) is int and 0 <= numel <= _I63 and 0 <= nonf <= _I63
                 and type(lo) is float and type(hi) is float and type(mean) is float and type(std) is float
                 and type(integer) is bool and (spread is None or type(spread) is float)):
@@ -196,8 +196,9 @@ def _decode_step(b: dict[str, Any]) -> Step:
         raise q.bad("clip", "not [step, total]")
     # the head's fields inline when already of their exact type (as the validators would accept them);
     # any other value goes through its validator, which converts or rejects it
-    g = b.get
-    run, step, seq, ts, loss, total, nograd = g("run"), g("step"), g("seq"), g("ts"), g("loss"), g("total"), g("nograd", ())
+    get = b.get
+    run, step, seq, ts, loss, total = get("run"), get("step"), get("seq"), get("ts"), get("loss"), get("total")
+    nograd = get("nograd", ())
     if type(run) is not str or len(run) > 64:
         run = q.str("run", max_len=64)
     if type(step) is not int or not 0 <= step <= _I63:
