@@ -3,142 +3,22 @@
 After the MAC check (:class:`gradwatch.frames.Signer`), the body is unpacked with ext types refused and
 every message is validated field by field; every rejection raises :class:`~gradwatch.frames.DecodeError`
 with a stable ``reason`` that callers count. Split from ``protocol.py`` (one job per module), which
-re-exports every name here.
+re-exports every name here; the field validators themselves are in :mod:`gradwatch.protocol_fields`.
 """
 
 from __future__ import annotations
 
-from array import array
 from typing import Any
 
-import msgpack
-
-from gradwatch.frames import (
-    EVENT_NAMES, MAX_PARAMS, MAX_STR, PROTOCOL_VERSION, DecodeError, ReplayGuard, Signer,
-)
+from gradwatch.frames import EVENT_NAMES, MAX_PARAMS, MAX_STR, PROTOCOL_VERSION, DecodeError, ReplayGuard, Signer
 from gradwatch.gaps import Seen  # noqa: F401 - re-exported (protocol.Seen)
 from gradwatch.protocol import (
     ActStats, Command, DataStats, Event, Heartbeat, History, Message, ModuleInfo, ParamInfo, Reply, Schema,
-    Step, f32_array,
+    Step,
 )
+from gradwatch.protocol_fields import I63, Fields, plain_value, scalars, unpack
 
 # --------------------------------------------------------------------------- decoding
-
-_I63 = 2**63 - 1  # the largest integer a validator accepts by default (_V.int)
-
-
-def _reject_ext(code: int, data: bytes) -> Any:
-    raise DecodeError("undecodable", f"ext type {code}")
-
-
-def unpack(body: bytes) -> Any:
-    """msgpack-decode a verified body. Limits derive from ``len(body)``; ext types are refused."""
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext, use_list=True)
-    except DecodeError:
-        raise
-    except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
-        # msgpack raises ValueError subclasses (ExtraData, FormatError, StackError) and
-        # UnicodeDecodeError (also a ValueError) for bad UTF-8 (docs/design.md, ZeroMQ 11).
-        raise DecodeError("undecodable", type(exc).__name__) from None
-
-
-class _V:
-    """Field validators. Each raises DecodeError('invalid') with the field name."""
-
-    def __init__(self, body: Any, what: str) -> None:
-        if not isinstance(body, dict):
-            raise DecodeError("invalid", f"{what}: not a map")
-        self.b = body
-        self.what = what
-
-    def bad(self, key: str, why: str) -> DecodeError:
-        return DecodeError("invalid", f"{self.what}.{key}: {why}")
-
-    def int(self, key: str, lo: int = 0, hi: int = 2**63 - 1, default: Any = ...) -> int:
-        v = self.b.get(key, default)
-        if v is ... :
-            raise self.bad(key, "missing")
-        if v is default and default is not ...:
-            return v
-        if type(v) is not int or not lo <= v <= hi:
-            raise self.bad(key, "not an integer in range")
-        return v
-
-    def num(self, key: str, default: Any = ..., optional: bool = False) -> Any:
-        v = self.b.get(key, default)
-        if v is ...:
-            raise self.bad(key, "missing")
-        if v is None and optional:
-            return None
-        if v is default and default is not ...:
-            return v
-        if type(v) is int:
-            return float(v)
-        if type(v) is not float:
-            raise self.bad(key, "not a number")
-        return v
-
-    def str(self, key: str, default: Any = ..., max_len: int = MAX_STR) -> str:
-        v = self.b.get(key, default)
-        if v is ...:
-            raise self.bad(key, "missing")
-        if not isinstance(v, str) or len(v) > max_len:
-            raise self.bad(key, "not a string of at most %d characters" % max_len)
-        return v
-
-    def bool(self, key: str, default: Any = ...) -> bool:
-        v = self.b.get(key, default)
-        if v is ...:
-            raise self.bad(key, "missing")
-        if type(v) is not bool:
-            raise self.bad(key, "not a boolean")
-        return v
-
-    def f32(self, key: str, n: int | None, optional: bool = False) -> array | None:
-        v = self.b.get(key)
-        if v is None and optional:
-            return None
-        if not isinstance(v, bytes) or len(v) % 4 or (n is not None and len(v) != 4 * n):
-            raise self.bad(key, "not a float32 array of the right length")
-        return f32_array(v)
-
-    def int_list(self, key: str, lo: int, hi: int, default: Any = ..., max_len: int = MAX_PARAMS) -> tuple[int, ...]:
-        v = self.b.get(key, default)
-        if v is ...:
-            raise self.bad(key, "missing")
-        if v is default and default is not ...:
-            return tuple(v)
-        if not isinstance(v, list) or len(v) > max_len or any(type(x) is not int or not lo <= x <= hi for x in v):
-            raise self.bad(key, "not a list of integers in range")
-        return tuple(v)
-
-    def scalars(self, key: str, default: Any = ..., max_items: int = 256) -> dict[str, Any]:
-        """A map of short string keys to numbers (or strings/bools): user scalars, hyper-parameters."""
-        v = self.b.get(key, default)
-        if v is ...:
-            raise self.bad(key, "missing")
-        if v is default and default is not ...:
-            return dict(v)
-        return _scalars(v, f"{self.what}.{key}", max_items)
-
-
-def _scalars(v: Any, where: str, max_items: int = 256) -> dict[str, Any]:
-    if not isinstance(v, dict) or len(v) > max_items:
-        raise DecodeError("invalid", f"{where}: not a small map")
-    out: dict[str, Any] = {}
-    for k, x in v.items():
-        if not isinstance(k, str) or len(k) > 256:
-            raise DecodeError("invalid", f"{where}: bad key")
-        if type(x) is int:
-            x = float(x) if abs(x) < 2**63 else float("inf")
-        if type(x) is float or type(x) is bool or x is None:
-            out[k] = x
-        elif isinstance(x, str) and len(x) <= MAX_STR:
-            out[k] = x
-        else:
-            raise DecodeError("invalid", f"{where}.{k}: not a scalar")
-    return out
 
 
 def _decode_stats(v: Any, where: str) -> DataStats:
@@ -148,18 +28,18 @@ def _decode_stats(v: Any, where: str) -> DataStats:
         get = v.get
         numel, nonf, lo, hi, mean, std = get("numel"), get("nonfinite"), get("min"), get("max"), get("mean"), get("std")
         integer, spread = get("int", False), get("spread")
-        if (type(numel) is int and type(nonf) is int and 0 <= numel <= _I63 and 0 <= nonf <= _I63
+        if (type(numel) is int and type(nonf) is int and 0 <= numel <= I63 and 0 <= nonf <= I63
                 and type(lo) is float and type(hi) is float and type(mean) is float and type(std) is float
                 and type(integer) is bool and (spread is None or type(spread) is float)):
             return DataStats(numel, nonf, lo, hi, mean, std, integer, spread)
-    q = _V(v, where)
+    q = Fields(v, where)
     return DataStats(numel=q.int("numel"), nonfinite=q.int("nonfinite"), min=q.num("min"), max=q.num("max"),
                      mean=q.num("mean"), std=q.num("std"), integer=q.bool("int", default=False),
                      spread=q.num("spread", default=None, optional=True))
 
 
 def _decode_step(b: dict[str, Any]) -> Step:
-    q = _V(b, "step")
+    q = Fields(b, "step")
     gn = q.f32("gn", None)
     assert gn is not None
     n = len(gn)
@@ -179,7 +59,7 @@ def _decode_step(b: dict[str, Any]) -> Step:
         data[k] = _decode_stats(v, f"step.data.{k}")
     act = None
     if "act" in b:
-        a = _V(b["act"], "step.act")
+        a = Fields(b["act"], "step.act")
         mods = a.int_list("mods", 0, MAX_PARAMS)
         m = len(mods)
         act = ActStats(modules=mods, min=a.f32("min", m), max=a.f32("max", m),  # type: ignore[arg-type]
@@ -201,9 +81,9 @@ def _decode_step(b: dict[str, Any]) -> Step:
     nograd = get("nograd", ())
     if type(run) is not str or len(run) > 64:
         run = q.str("run", max_len=64)
-    if type(step) is not int or not 0 <= step <= _I63:
+    if type(step) is not int or not 0 <= step <= I63:
         step = q.int("step")
-    if type(seq) is not int or not 0 <= seq <= _I63:
+    if type(seq) is not int or not 0 <= seq <= I63:
         seq = q.int("seq")
     if type(ts) is not float:
         ts = q.num("ts")
@@ -218,7 +98,7 @@ def _decode_step(b: dict[str, Any]) -> Step:
         nonfinite=nonfinite, nograd=nograd,
         weight_norm=q.f32("wn", n, optional=True), update_ratio=ur,
         update_step=q.int("ur_step") if ur is not None else None,
-        opt=tuple(_scalars(g, "step.opt") for g in opt_raw),
+        opt=tuple(scalars(g, "step.opt") for g in opt_raw),
         scale=q.num("scale", default=None, optional=True), skipped=q.bool("skipped", default=False),
         data=data, act=act, first_nonfinite_module=fnm, user=q.scalars("user", default={}),
         missed=_missed(b["missed"]) if "missed" in b else {},
@@ -227,7 +107,7 @@ def _decode_step(b: dict[str, Any]) -> Step:
     )
 
 
-def _index_counts(q: _V, raw: Any, key: str, n: int) -> dict[int, int]:
+def _index_counts(q: Fields, raw: Any, key: str, n: int) -> dict[int, int]:
     """``[[index, count], ...]`` (count -1: at least one, not counted) as a dict, validated against ``n``."""
     if not isinstance(raw, list) or len(raw) > n:
         raise q.bad(key, "not a list of [index, count]")
@@ -248,7 +128,7 @@ def _missed(v: Any) -> dict[str, int]:
 
 
 def _decode_event(b: dict[str, Any]) -> Event:
-    q = _V(b, "event")
+    q = Fields(b, "event")
     name = q.str("event", max_len=32)
     if name not in EVENT_NAMES:
         raise q.bad("event", "unknown event")
@@ -256,32 +136,11 @@ def _decode_event(b: dict[str, Any]) -> Event:
     if not isinstance(data, dict):
         raise q.bad("data", "not a map")
     return Event(run=q.str("run", max_len=64), seq=q.int("seq"), ts=q.num("ts"), event=name,
-                 step=q.int("step", lo=-1), message=q.str("msg", default=""), data=_plain(data, "event.data"))
-
-
-def _plain(v: Any, where: str, depth: int = 0) -> Any:
-    """A bounded plain value: str/num/bool/None, lists and str-keyed maps, at most 4 deep."""
-    if depth > 4:
-        raise DecodeError("invalid", f"{where}: too deep")
-    if v is None or type(v) in (bool, int, float):
-        return v
-    if isinstance(v, str):
-        if len(v) > MAX_STR:
-            raise DecodeError("invalid", f"{where}: string too long")
-        return v
-    if isinstance(v, list):
-        if len(v) > 4096:
-            raise DecodeError("invalid", f"{where}: list too long")
-        return [_plain(x, where, depth + 1) for x in v]
-    if isinstance(v, dict):
-        if len(v) > 256 or not all(isinstance(k, str) and len(k) <= 256 for k in v):
-            raise DecodeError("invalid", f"{where}: bad map")
-        return {k: _plain(x, where, depth + 1) for k, x in v.items()}
-    raise DecodeError("invalid", f"{where}: unsupported type")
+                 step=q.int("step", lo=-1), message=q.str("msg", default=""), data=plain_value(data, "event.data"))
 
 
 def _decode_schema(b: dict[str, Any]) -> Schema:
-    q = _V(b, "schema")
+    q = Fields(b, "schema")
     if q.int("v") != PROTOCOL_VERSION:
         raise q.bad("v", "another protocol version")
     raw_mods = b.get("modules")
@@ -314,7 +173,7 @@ def _decode_schema(b: dict[str, Any]) -> Schema:
         modules=tuple(modules), rank=q.int("rank", hi=1 << 20), world_size=q.int("world", lo=1, hi=1 << 20),
         host=q.str("host", max_len=256), pid=q.int("pid"), started=q.num("started"),
         torch_version=q.str("torch", max_len=64), optimizer=q.str("optimizer", max_len=256),
-        hyper=tuple(_scalars(h, "schema.hyper") for h in hyper), every=q.int("every", lo=1),
+        hyper=tuple(scalars(h, "schema.hyper") for h in hyper), every=q.int("every", lo=1),
         control=q.bool("control"), diagnose=q.bool("diagnose", default=False),
         detail_every=q.int("detail", default=0, hi=1 << 30), numbered=q.bool("numbered", default=False),
         seq=q.int("seq"), ts=q.num("ts"),
@@ -334,7 +193,7 @@ def _decode_body(b: Any, nested: bool = False) -> Message:
     if kind == "schema":
         return _decode_schema(b)
     if kind == "hb":
-        q = _V(b, "hb")
+        q = Fields(b, "hb")
         counters = b.get("counters", {})
         if not isinstance(counters, dict) or len(counters) > 64 or not all(
                 isinstance(k, str) and len(k) <= 64 and type(v) is int for k, v in counters.items()):
@@ -342,7 +201,7 @@ def _decode_body(b: Any, nested: bool = False) -> Message:
         return Heartbeat(run=q.str("run", max_len=64), seq=q.int("seq"), ts=q.num("ts"), step=q.int("step", lo=-1),
                          counters=dict(counters), paused=q.bool("paused", default=False))
     if kind == "history":
-        q = _V(b, "history")
+        q = Fields(b, "history")
         steps_raw, events_raw = b.get("steps", []), b.get("events", [])
         if not isinstance(steps_raw, list) or not isinstance(events_raw, list):
             raise q.bad("steps", "not a list")
@@ -355,13 +214,13 @@ def _decode_body(b: Any, nested: bool = False) -> Message:
         return History(run=q.str("run", max_len=64), seq=q.int("seq"), ts=q.num("ts"),
                        steps=tuple(steps), events=tuple(events))  # type: ignore[arg-type]
     if kind == "cmd":
-        q = _V(b, "cmd")
+        q = Fields(b, "cmd")
         return Command(session=q.str("session", max_len=64), seq=q.int("seq", lo=1), ts=q.num("ts"),
-                       command=q.str("cmd", max_len=64), args=_plain(b.get("args", {}), "cmd.args"))
+                       command=q.str("cmd", max_len=64), args=plain_value(b.get("args", {}), "cmd.args"))
     if kind == "reply":
-        q = _V(b, "reply")
+        q = Fields(b, "reply")
         return Reply(session=q.str("session", max_len=64), seq=q.int("seq"), ts=q.num("ts"), ok=q.bool("ok"),
-                     message=q.str("msg", default=""), data=_plain(b.get("data", {}), "reply.data"))
+                     message=q.str("msg", default=""), data=plain_value(b.get("data", {}), "reply.data"))
     raise DecodeError("invalid", "unknown message kind")
 
 
