@@ -110,6 +110,13 @@ def test_vanishing_grad_under_adam_once_the_first_layer_is_down_at_eps(rng: np.r
     big = [dataclasses.replace(deep(k, rng, 1 / 40), opt=({"lr": 1e-3, "eps": 1e-3},)) for k in range(200)]
     (b,) = feed(d, big)
     assert (b.kind, b.layer) == ("vanishing_grad", "fc0.weight")
+    # the eps comes only with the steps that carry every hyper-parameter (here the first one, long before the
+    # rule looks): it is kept from then on
+    d = Diagnoser(mlp_schema(optimizer="Adam"))
+    sparse = [dataclasses.replace(deep(k, rng, 1 / 40), opt=({"lr": 1e-3, "eps": 1e-3},) if k == 0 else ())
+              for k in range(200)]
+    (c,) = feed(d, sparse)
+    assert (c.kind, c.layer) == ("vanishing_grad", "fc0.weight")
 
 
 # --------------------------------------------------------------------------- dead_grad

@@ -30,7 +30,6 @@ class DyingRules:
         self._early: tuple[float, float | None] | None = None
         self._vanish_run = 0
         self._starved_run = 0
-        self._eps = 1e-8  # the adaptive optimizer's eps (torch's default for Adam, AdamW, RMSprop), once told
         self._zero_run = np.zeros(facts.n, dtype=np.int64)
         self._layer_step: int | None = None
         self._by_module = facts.params_by_module()
@@ -116,8 +115,7 @@ class DyingRules:
         ratio = float(per[first] / per[best])
         starved = ratio <= t.vanish_factor
         if starved and f.adaptive:  # Adam & co rescale each element's gradient: small is not starved, ~eps is
-            self._eps = v.eps if v.eps is not None else self._eps
-            starved = bool(per[first] <= t.adaptive_eps * self._eps)
+            starved = bool(per[first] <= t.adaptive_eps * m.eps)
         self._starved_run = self._starved_run + 1 if starved else 0
         cond = self._starved_run >= 3
         if self.ep(("vanishing_grad",), cond, step) and cond:

@@ -113,6 +113,8 @@ class Diagnoser:
             m.wn, m.wn_step = v.wn, v.step
             if m.init_scale is None and np.isfinite(v.wn).all():
                 m.init_scale = weight_scale(v.wn, self.facts)
+        if v.eps is not None:
+            m.eps = v.eps
         m.note_loss(v.step, v.loss)
 
     def _after(self, v: View) -> None:

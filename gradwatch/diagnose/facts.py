@@ -163,6 +163,9 @@ class Memory:
     last_grad_spike: int | None = None
     big_update: tuple[int, float] | None = None  # one huge update, held to see whether saturation follows
     last_loss_spike: int | None = None
+    #: The adaptive optimizer's eps, from the last step that carried the hyper-parameters (detail steps);
+    #: torch's default for Adam, AdamW and RMSprop until one does.
+    eps: float = 1e-8
 
     def start_loss(self) -> float | None:
         """The median of the first three finite losses: where training started."""
