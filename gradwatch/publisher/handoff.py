@@ -22,7 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +30,7 @@ from typing import Any, Callable
 import msgpack
 
 from gradwatch.procs import cpu_ticks
+from gradwatch.publisher import forks
 from gradwatch.publisher.ring import Ring
 
 # record kinds, trainer -> sidecar
@@ -326,19 +326,17 @@ class SidecarSender:
 def _close_in_forked_children(sender: SidecarSender) -> None:
     """A forked child (a DataLoader worker) must not keep the sidecar's stdin open: its end-of-file is how
     the sidecar learns that the trainer is gone."""
-    ref = weakref.ref(sender)
+    forks.in_child(sender, _null_stdin)
 
-    def child() -> None:
-        s = ref()
-        if s is not None and s._proc.stdin is not None:
-            try:  # /dev/null over the pipe's fd, not close(): the file object still owns that fd number
-                null = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(null, s._proc.stdin.fileno())
-                os.close(null)
-            except (OSError, ValueError):
-                pass
 
-    os.register_at_fork(after_in_child=child)
+def _null_stdin(s: SidecarSender) -> None:
+    if s._proc.stdin is not None:
+        try:  # /dev/null over the pipe's fd, not close(): the file object still owns that fd number
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, s._proc.stdin.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
 
 
 def spawn(config: dict[str, Any]) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:

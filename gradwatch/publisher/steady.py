@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 import struct
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradwatch.publisher import forks
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
@@ -49,18 +48,10 @@ _isfinite = math.isfinite
 _sqrt = math.sqrt
 
 
-def _at_fork(st: SteadyStep) -> None:
-    """A forked child (a DataLoader worker) must never write into the parent's ring or slots: its copy of
-    the steady step is disarmed for good in the child, at the fork itself -- instead of an ``os.getpid()``
-    (a syscall) on every step. The general path then sees the fork and counts the call."""
-    ref = weakref.ref(st)
-
-    def child() -> None:
-        s = ref()
-        if s is not None:
-            s.armed, s.forked = False, True
-
-    os.register_at_fork(after_in_child=child)
+def _disarm(st: SteadyStep) -> None:
+    """A forked child must never write into the parent's ring or slots: its copy of the steady step is
+    disarmed for good at the fork (:mod:`.forks`); the general path then sees the fork and counts the call."""
+    st.armed, st.forked = False, True
 
 
 class SteadyStep:
@@ -76,8 +67,8 @@ class SteadyStep:
         self.table = col.raw.table
         self.params = col.probe.params
         self.armed = False
-        self.forked = False  # this object is a forked child's copy: never armed again (see _at_fork)
-        _at_fork(self)
+        self.forked = False  # this object is a forked child's copy: never armed again (see _disarm)
+        forks.in_child(self, _disarm)
         self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
         self._lr_key: list[Any] | None = None
         self._lr_bytes = b""

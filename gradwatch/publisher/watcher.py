@@ -32,7 +32,7 @@ import torch
 from gradwatch import protocol, transport
 from gradwatch._warn import warn
 from gradwatch.curve import CurveServer
-from gradwatch.publisher import helpers
+from gradwatch.publisher import forks, helpers
 from gradwatch.publisher.act_plan import ActivationPlan
 from gradwatch.publisher.act_probe import ActivationProbe, module_tree
 from gradwatch.publisher.boundary import Boundaries
@@ -51,18 +51,8 @@ __all__ = ["Watcher", "WatchConfig", "NullWatcher", "MAX_CONSECUTIVE_ERRORS"]
 MAX_CONSECUTIVE_ERRORS = 10
 
 
-def _at_fork(w: Watcher) -> None:
-    """Mark a forked child's copy of the watcher at the fork itself, so that :meth:`Watcher._live` (run on
-    every step, also from the optimizer hook) needs no ``os.getpid()`` syscall; ``os.fork()`` and
-    multiprocessing's fork both run ``register_at_fork`` handlers."""
-    ref = weakref.ref(w)
-
-    def child() -> None:
-        o = ref()
-        if o is not None:
-            o._forked = True
-
-    os.register_at_fork(after_in_child=child)
+def _mark_forked(w: Watcher) -> None:
+    w._forked = True  # Watcher._live reads it on every call (also from the optimizer hook): no getpid()
 
 
 class Watcher:
@@ -82,8 +72,8 @@ class Watcher:
         self._errors = 0
         self._consecutive = 0
         self._forked_calls = 0
-        self._forked = False  # set in a forked child at the fork itself (_at_fork): no getpid() per step
-        _at_fork(self)
+        self._forked = False  # set in a forked child at the fork itself (forks.in_child): no getpid() per step
+        forks.in_child(self, _mark_forked)
         self._closed = False
         self.disabled_reason: str | None = None
         self.sender: Any = None  # a Sender thread, or the SidecarSender of the sidecar process
