@@ -1,7 +1,8 @@
 """What the first step teaches the diagnosis, once: the backward order and the modules run without autograd.
 
-* **Backward order** (post-accumulate-grad hooks on the first backward): "the first parameter to go
-  non-finite in backward order" is where a NaN entered backward.
+* **Backward order** (a tensor hook on each parameter for the first backward: it runs when the
+  parameter's gradient arrives, just before it is accumulated): "the first parameter to go non-finite
+  in backward order" is where a NaN entered backward.
 * **Detached modules** (forward hooks on the modules that own trainable parameters, first forward only):
   a module that runs its forward with autograd off (``torch.no_grad()``, ``inference_mode``) *after* a
   module whose parameters do get a gradient is a branch cut from the graph in the middle of the network
@@ -12,6 +13,11 @@
 
 Every hook is removed at the first boundary (:meth:`FirstStep.take`), so later steps pay nothing --
 except under ``torch.compile``, where removing them would recompile the model (docs/design.md, Torch 9).
+"Nothing" needs more than ``handle.remove()`` for the backward hooks (docs/design.md, Torch 13): a removed
+hook leaves the tensor's hook dict empty but still wired into autograd, which calls it with the GIL on every
+backward for the rest of the run (+20 us a step on the tutorial MLP's 24 parameters). Only a tensor hook
+can be unwired -- assigning None to ``_backward_hooks`` clears it -- so these are tensor hooks, not
+post-accumulate-grad hooks, and :meth:`drop` unwires every dict it emptied that was not there before.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class FirstStep:
 
     def __init__(self) -> None:
         self.hooks: list[Any] = []
+        self._wired: list[torch.Tensor] = []  # parameters whose hook dict we created (unwired by drop)
         self.bw_order: list[int] = []
         #: (parameter indices owned by the module, autograd on), in the order the modules first ran
         self.fw_runs: list[tuple[list[int], bool]] = []
@@ -47,11 +54,11 @@ class FirstStep:
             self.drop()
 
     def _backward(self, params: list[torch.nn.Parameter]) -> None:
-        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-            return
         order = self.bw_order
         for i, p in enumerate(params):
-            self.hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: order.append(i)))
+            if p._backward_hooks is None:
+                self._wired.append(p)
+            self.hooks.append(p.register_hook(lambda _g, i=i: order.append(i)))  # returns None: grad unchanged
 
     def _forward(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
         index = {id(p): i for i, p in enumerate(params)}
@@ -109,6 +116,13 @@ class FirstStep:
             except Exception:  # noqa: BLE001
                 pass
         self.hooks.clear()
+        wired, self._wired = self._wired, []
+        for p in wired:
+            try:
+                if p._backward_hooks is not None and not p._backward_hooks:  # emptied, and not someone else's
+                    p._backward_hooks = None  # unwires it from autograd (the module docstring)
+            except Exception:  # noqa: BLE001
+                pass
 
     def close(self) -> None:
         """The watcher closes: every hook goes, the kept forward hooks too."""
