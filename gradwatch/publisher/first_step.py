@@ -13,7 +13,7 @@
 
 Every hook is removed at the first boundary (:meth:`FirstStep.take`), so later steps pay nothing --
 except under ``torch.compile``, where removing them would recompile the model (docs/design.md, Torch 9).
-"Nothing" needs more than ``handle.remove()`` for the backward hooks (docs/design.md, Torch 13): a removed
+"Nothing" needs more than ``handle.remove()`` for the backward hooks (docs/design.md, Torch 10): a removed
 hook leaves the tensor's hook dict empty but still wired into autograd, which calls it with the GIL on every
 backward for the rest of the run (+20 us a step on the tutorial MLP's 24 parameters). Only a tensor hook
 can be unwired -- assigning None to ``_backward_hooks`` clears it -- so these are tensor hooks, not
