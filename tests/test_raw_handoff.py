@@ -283,3 +283,30 @@ def test_huge_finite_gradients_warn_nothing_and_are_measured_exactly(runtime: Pa
     big = got[6]
     assert big.nonfinite == {} and big.total == pytest.approx(expect, rel=1e-5), (big.total, expect, big.nonfinite)
     assert all(math.isfinite(v) and v > 1e19 for v in big.grad_norm), list(big.grad_norm)  # each one measured
+
+
+@pytest.mark.parametrize("weak", [True, False])
+def test_fences_only_where_the_cpu_reorders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weak: bool) -> None:
+    """x86-64 keeps the order of the calls (docs/design.md, "The sidecar"): no fence there; on a weakly
+    ordered CPU one between every record and its position, and between a slot's counter and its bytes."""
+    from gradwatch.publisher import ring as ring_mod
+    from gradwatch.publisher import slots as slots_mod
+
+    fences: list[int] = []
+    for mod in (ring_mod, slots_mod):
+        monkeypatch.setattr(mod, "WEAK", weak)
+        monkeypatch.setattr(mod, "_fence", lambda: fences.append(1))
+    ring = ring_mod.Ring.create(tmp_path / "r", fwd_cap=1000)
+    other = ring_mod.Ring.attach(tmp_path / "r")
+    assert ring.write(b"step one") and ring.write(b"step two")
+    assert other.read() == [b"step one", b"step two"]
+    spec = SlotSpec(2, (3,))
+    mm = mmap.mmap(-1, spec.nbytes)
+    table, reader = SlotTable(spec, mm, 0), SlotReader(spec, mm, 0)
+    got = table.acquire()
+    assert got == (0, 1)
+    table.commit(*got)
+    assert table.acquire() == (1, 1)  # slot 0 is the reader's: the loop finds slot 1
+    reader.release(0, 1)
+    assert table.acquire() == (0, 2)
+    assert len(fences) == (2 + 1 + 3 + 1 if weak else 0)  # two writes, one read, three acquires, one release

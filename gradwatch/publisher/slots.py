@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from gradwatch.publisher.ring import _fence
+from gradwatch.publisher.ring import WEAK, _fence
 from gradwatch.publisher.segments import (
     Segments, exact_nonfinite, list_stats, masked_stats, total_norm, update_ratio,
 )
@@ -106,11 +106,16 @@ class SlotTable:
         """(slot, seq) of a slot the sidecar is done with, or None (all in flight: take the ordinary path).
         The lowest free slot: while the sidecar keeps up that is the same one step after step, still in
         the cache from the last copy; the others only take a backlog."""
-        i = self._free(-1)
-        if i < 0:
-            return None
-        _fence()  # the sidecar's reads of the slot happened before its release, our writes come after
-        return i, self._used[i] + 1
+        used = self._used
+        if _Q.unpack_from(self._mm, self._base)[0] == used[0]:
+            i = 0  # the common case, without the loop
+        else:
+            i = self._free(-1)
+            if i < 0:
+                return None
+        if WEAK:
+            _fence()  # the sidecar's reads of the slot happened before its release, our writes come after
+        return i, used[i] + 1
 
     def next_free(self) -> bool:
         """Whether a second slot is free too (a raw detail step keeps one for its settle)."""
@@ -211,7 +216,8 @@ class SlotReader:
             self._snap_wn, self._snap_step = wn.copy(), step
 
     def release(self, i: int, seq: int) -> None:
-        _fence()  # every read of the slot before the release the trainer sees
+        if WEAK:
+            _fence()  # every read of the slot before the release the trainer sees
         _Q.pack_into(self._mm, self._base + i * _LINE, seq)
 
 
