@@ -8,7 +8,7 @@ thread lock of their own). Positions are byte counters that only grow; the write
 first and its position after, the reader reads the position first and the record after, so a reader
 never sees a half-written record. x86-64 keeps stores in order by itself and never moves a load after a
 later store, so there the order of the calls is the order of the accesses and no fence is taken
-(:data:`WEAK` is False: a fence cost the training thread ~4 us a call with caches cold). On weakly ordered
+(:data:`WEAK` is False: the three fences of a steady step cost it ~1.5 us). On weakly ordered
 CPUs (aarch64) a fence between the two is needed, and :func:`_fence` is one: acquiring and releasing a
 CPython lock is ``sem_wait``/``sem_post`` on Linux, which POSIX lists among the functions that
 synchronize memory (XBD 4.12), at ~0.2 us.
