@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradwatch.publisher import forks
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
@@ -48,12 +47,6 @@ _isfinite = math.isfinite
 _sqrt = math.sqrt
 
 
-def _disarm(st: SteadyStep) -> None:
-    """A forked child must never write into the parent's ring or slots: its copy of the steady step is
-    disarmed for good at the fork (:mod:`.forks`); the general path then sees the fork and counts the call."""
-    st.armed, st.forked = False, True
-
-
 class SteadyStep:
     """The steady boundary of one :class:`~.watcher.Watcher` with a raw hand-off. ``armed``: the next
     ``gw.step()`` may try it (set by :meth:`arm`, cleared on close, disable and on any error)."""
@@ -66,9 +59,7 @@ class SteadyStep:
         self.raw = col.raw
         self.table = col.raw.table
         self.params = col.probe.params
-        self.armed = False
-        self.forked = False  # this object is a forked child's copy: never armed again (see _disarm)
-        forks.in_child(self, _disarm)
+        self.armed = False  # also cleared in a forked child, at the fork (watcher._mark_forked)
         self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
         self._lr_key: list[Any] | None = None
         self._lr_bytes = b""
@@ -83,7 +74,7 @@ class SteadyStep:
         w, col, b = self.w, self.col, self.b
         probe, acts = col.probe, col.acts
         self.armed = bool(
-            not self.forked and col.raw is self.raw and col.raw_submit is not None and col.scaler is None and col.every == 1
+            not w._forked and col.raw is self.raw and col.raw_submit is not None and col.scaler is None and col.every == 1
             and col.published >= FIRST_DETAIL and not col.first.pending and not col._missed and not col._missed_dev
             and not acts.every and not acts.armed and not acts.probe.attached and not probe.branchless
             and probe._lean.ok and not probe._snap_active and probe._pending_ur is None

@@ -52,7 +52,12 @@ MAX_CONSECUTIVE_ERRORS = 10
 
 
 def _mark_forked(w: Watcher) -> None:
-    w._forked = True  # Watcher._live reads it on every call (also from the optimizer hook): no getpid()
+    """In a forked child (a DataLoader worker), at the fork itself: ``_live`` reads the flag on every call
+    (also from the optimizer hook), so no ``os.getpid()`` per step; and the child's copy of the steady step
+    must never write into the parent's ring or slots (the general path then sees the fork and counts the call)."""
+    w._forked = True
+    if w._steady is not None:
+        w._steady.armed = False
 
 
 class Watcher:
