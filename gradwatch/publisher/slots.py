@@ -110,7 +110,7 @@ class SlotTable:
         if _Q.unpack_from(self._mm, self._base)[0] == used[0]:
             i = 0  # the common case, without the loop
         else:
-            i = self._free(-1)
+            i = self._free(0)  # slot 0 is the sidecar's: the lowest free one of the others
             if i < 0:
                 return None
         if WEAK:
