@@ -1,0 +1,40 @@
+"""bench/phases.py (where a monitor's cost lands, bench/README.md 1.12) must keep working: a short run with
+gradwatch, the shared-memory copy floor (which forks a reader process) and a busy loop prints one row per
+variant with five phases and a ratio, and leaves no reader process behind. It measures nothing here."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import PY, ROOT, child_env
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_phases_script_reports_every_variant_and_reaps_its_reader(runtime: Path) -> None:
+    r = subprocess.run([PY, str(ROOT / "bench" / "phases.py"), "--rounds", "2", "--steps", "3",
+                        "--variants", "bare_AA,gradwatch,copy_shm,busy5"],
+                       cwd=ROOT, env=child_env(runtime), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln and ln.split()[0] in
+            ("bare", "bare_AA", "gradwatch", "copy_shm", "busy5")}
+    assert set(rows) == {"bare", "bare_AA", "gradwatch", "copy_shm", "busy5"}, r.stdout
+    for line in rows.values():
+        assert len(re.findall(r"\d+\.\d \(\s*[+-]\d+\.\d\)", line)) == 5, line  # median (+diff) per phase
+        assert float(line.split()[-1]) > 0
+    assert float(rows["bare"].split()[-1]) == 1.0
+    assert float(re.findall(r"(\d+\.\d) \(", rows["busy5"])[3]) >= 5.0  # the monitor phase: at least its 5 us
+    assert "closing" not in r.stderr, r.stderr[-2000:]
+    bad = subprocess.run(["pgrep", "-f", "bench/phases.py"], capture_output=True, text=True)
+    assert bad.stdout.strip() == "", f"a reader of phases.py outlived it: {bad.stdout}"
+
+
+def test_phases_script_rejects_an_unknown_variant(runtime: Path) -> None:
+    r = subprocess.run([PY, str(ROOT / "bench" / "phases.py"), "--rounds", "1", "--steps", "1", "--variants", "bogus"],
+                       cwd=ROOT, env=child_env(runtime), capture_output=True, text=True, timeout=100)
+    assert r.returncode != 0
+    assert "unknown variant 'bogus'" in r.stderr and "Traceback" not in r.stderr
