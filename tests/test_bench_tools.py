@@ -1,6 +1,8 @@
-"""bench/phases.py (where a monitor's cost lands, bench/README.md 1.12) must keep working: a short run with
-gradwatch, the shared-memory copy floor (which forks a reader process) and a busy loop prints one row per
-variant with five phases and a ratio, and leaves no reader process behind. It measures nothing here."""
+"""The two measuring tools of bench/README.md 1.12 must keep working; they measure nothing here.
+bench/phases.py (where a monitor's cost lands): a short run with gradwatch, the shared-memory copy floor
+(which forks a reader process) and a busy loop prints one row per variant with five phases and a ratio,
+and leaves no reader behind. bench/statements.py (each statement of a hot-path function): it reaches the
+steady step on ordinary steps. Both reject bad arguments with a one-line error."""
 
 from __future__ import annotations
 
@@ -38,3 +40,23 @@ def test_phases_script_rejects_an_unknown_variant(runtime: Path) -> None:
                        cwd=ROOT, env=child_env(runtime), capture_output=True, text=True, timeout=100)
     assert r.returncode != 0
     assert "unknown variant 'bogus'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_statements_script_times_the_steady_step_line_by_line(runtime: Path) -> None:
+    """bench/statements.py recompiles a hot-path function with a timer per statement: on the tutorial MLP
+    the steady step is reached on ordinary steps and its copy statement is among those timed."""
+    r = subprocess.run([PY, str(ROOT / "bench" / "statements.py"), "gradwatch.publisher.steady:SteadyStep.__call__",
+                        "--steps", "60"], cwd=ROOT, env=child_env(runtime), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert "ordinary steps" in lines[0] and "sum of the medians" in lines[-1]
+    timed = [ln for ln in lines[1:-1] if re.match(r"\s*\d+\.\d\d us  n=\s*\d+  L\d+: ", ln)]
+    assert len(timed) > 20, r.stdout
+    assert any("_copy(views, src)" in ln or "try:" in ln for ln in timed)
+
+
+def test_statements_script_rejects_a_bad_target(runtime: Path) -> None:
+    for target in ("bogus", "gradwatch.publisher.nope:X.y"):
+        r = subprocess.run([PY, str(ROOT / "bench" / "statements.py"), target], cwd=ROOT, env=child_env(runtime),
+                           capture_output=True, text=True, timeout=100)
+        assert r.returncode == 1 and "statements.py:" in r.stderr and "Traceback" not in r.stderr, r.stderr
