@@ -146,16 +146,22 @@ def fused_monitor(model: nn.Module) -> tuple[Callable[[torch.Tensor], Any], Call
     return monitor, close
 
 
+def flat_views(buf: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """One view of the flat ``buf`` per parameter, back to back in parameter order."""
+    views, pos = [], 0
+    for p in params:
+        views.append(buf[pos:pos + p.numel()].view(p.shape))
+        pos += p.numel()
+    return views
+
+
 def copy_floor_monitor(model: nn.Module) -> Callable[[torch.Tensor], Any]:
     """The least a monitor with per-layer statistics *and* a verdict at the boundary must do on the training
     thread if another process computes the rest: read every gradient once (one ``_foreach_copy_`` into one
     buffer), one dot product for the total, the loss. Nothing is sent; a floor, not a tool."""
     params = [p for p in model.parameters() if p.requires_grad]
     buf = torch.empty(sum(p.numel() for p in params))
-    views, pos = [], 0
-    for p in params:
-        views.append(buf[pos:pos + p.numel()].view(p.shape))
-        pos += p.numel()
+    views = flat_views(buf, params)
     arr = buf.numpy()
 
     def monitor(loss: torch.Tensor) -> Any:

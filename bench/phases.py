@@ -36,8 +36,8 @@ sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from _models import copy_floor_monitor, fused_monitor, make_workload, naive_monitor  # noqa: E402
-from overhead import start_subscriber  # noqa: E402
+from _models import copy_floor_monitor, flat_views, fused_monitor, make_workload, naive_monitor  # noqa: E402
+from overhead import Variant, start_subscriber  # noqa: E402
 
 PHASES = ("zero_grad", "forward", "backward", "monitor", "opt.step")
 DEFAULT = "bare,bare_AA,gradwatch+sub,gradwatch,fused_ref,naive_item,copy_floor,copy_shm,busy50"
@@ -62,10 +62,7 @@ def copy_shm_monitor(model: torch.nn.Module) -> tuple[Callable[[torch.Tensor], A
             else:
                 time.sleep(0.0005)
         os._exit(0)
-    views, pos = [], 0
-    for p in params:
-        views.append(whole[pos:pos + p.numel()].view(p.shape))
-        pos += p.numel()
+    views = flat_views(whole, params)
     count = [0]
 
     def monitor(loss: torch.Tensor) -> Any:
@@ -90,24 +87,22 @@ def busy_monitor(us: float) -> Callable[[torch.Tensor], None]:
     return monitor
 
 
-class Loop:
+class Loop(Variant):
+    """``overhead.py``'s variant (its own model copy and Adam), timed per phase instead of per step."""
+
     def __init__(self, name: str, wl: Any, state: dict[str, Any]) -> None:
-        self.name, self.wl = name, wl
-        self.model = copy.deepcopy(wl.model)
-        self.model.load_state_dict(state)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        self.monitor: Callable[[torch.Tensor], Any] | None = None
-        self.gw: Any = None
+        super().__init__(name, wl, state)
         self.closers: list[Callable[[], None]] = []
         self.times: list[list[float]] = [[] for _ in PHASES]
 
     def block(self, k: int, keep: bool = True) -> None:
-        pc, model, opt, wl, mon = time.perf_counter, self.model, self.opt, self.wl, self.monitor
+        pc, model, opt, mon = time.perf_counter, self.model, self.opt, self.monitor
+        x, y, loss_fn = self.x, self.y, self.loss_fn
         for _ in range(k):
             t0 = pc()
             opt.zero_grad(set_to_none=True)
             t1 = pc()
-            loss = wl.loss_fn(model(wl.x), wl.y)
+            loss = loss_fn(model(x), y)
             t2 = pc()
             loss.backward()
             t3 = pc()
@@ -126,9 +121,9 @@ def build(name: str, loop: Loop) -> None:
 
     if name in ("gradwatch", "gradwatch+sub"):
         gw = gradwatch.watch(loop.model, loop.opt, name=f"phases-{name}", every=1, announce=False)
-        wl = loop.wl
+        x, y = loop.x, loop.y
         loop.gw = gw
-        loop.monitor = lambda loss: gw.step(loss, inputs=wl.x, targets=wl.y)
+        loop.monitor = lambda loss: gw.step(loss, inputs=x, targets=y)
         loop.closers.append(gw.close)
         if name == "gradwatch+sub":
             sub = start_subscriber(gw.connection_file)
