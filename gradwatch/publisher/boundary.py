@@ -56,8 +56,10 @@ class Boundaries:
     """Decides which call marks the boundary; ``mark(loss, inputs, targets)`` does the step's work."""
 
     def __init__(self, mark: Callable[[Any, Any, Any], None], live: Callable[[], bool],
-                 measure_clip: Callable[[], None], first_grad: Callable[[], Any] = lambda: None) -> None:
+                 measure_clip: Callable[[], None], first_grad: Callable[[], Any] = lambda: None,
+                 after_step: Callable[[], None] | None = None) -> None:
         self._mark = mark
+        self._after_step = after_step  # the optimizer's step post-hook (the overlap worker's cue)
         self._first_grad = first_grad
         self._live = live
         self._measure_clip = measure_clip
@@ -79,6 +81,8 @@ class Boundaries:
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
             self.handles.append(optimizer.register_step_pre_hook(self._on_optimizer_step))
             self._watching_optimizer = True
+            if self._after_step is not None and hasattr(optimizer, "register_step_post_hook"):
+                self.handles.append(optimizer.register_step_post_hook(self._on_optimizer_stepped))
         if scaler is not None:
             self._wrap_scaler(scaler)
 
@@ -168,3 +172,7 @@ class Boundaries:
         if self.in_pause:
             return
         self._mark(*self._with_loss(None, None, None))
+
+    def _on_optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._after_step is not None and self._live() and not self.in_pause:
+            self._after_step()

@@ -73,6 +73,13 @@ class Collector:
         vec = self.probe._norm_vec(grads, 2.0, all(g is not None for g in grads))
         self._clip = (step, torch.linalg.vector_norm(vec))
 
+    def after_optimizer_step(self) -> None:
+        """The optimizer stepped (its post-hook): the probe may hand the next boundary's weight work to its
+        overlap worker (:mod:`.overlap`) -- the settle of this step's snapshot, the weights of a detail step."""
+        if self.raw is None:
+            nxt = self.step % self.every == 0 and is_detail(self.published, self.detail_every)
+            self.probe.after_optimizer_step(self.step, nxt)
+
     def hyper(self, detail: bool) -> tuple[list[dict[str, float]], list[tuple[int, str, torch.Tensor]]]:
         """The optimizer's hyper-parameters for this step: every one on detail steps, else the learning
         rates (cached while unchanged). Both paths of the boundary take them from here."""

@@ -36,6 +36,7 @@ import torch
 from gradwatch.publisher.act_probe import ActivationProbe, module_tree  # noqa: F401 - re-exported
 from gradwatch.publisher.data_stats import DATA_FIELDS, INF, data_stats  # noqa: F401 - re-exported
 from gradwatch.publisher.flat import LeanPath, exact_nonfinite, total_norm, update_ratio
+from gradwatch.publisher.overlap import Overlap, overlap_wanted
 from gradwatch.publisher.hyper import HYPER_KEYS, RateCache, hyper_of, scalar_part  # noqa: F401 - re-exported
 from gradwatch.publisher.parts import Parts, _EventPool
 from gradwatch.publisher.segments import F32_MAX
@@ -91,6 +92,8 @@ class GradProbe:
         #: The lean CPU path (:mod:`.flat`), host path only: gradients and weights in one buffer each.
         self._lean = LeanPath(params)
         self._lean.ok = self._lean.ok and not self.cuda
+        #: A big CPU model's weight work, run between optimizer.step() and the boundary (:mod:`.overlap`).
+        self.overlap = Overlap(params) if not self._lean.ok and overlap_wanted(params, self.cuda) else None
 
     def _zero(self, device: torch.device) -> torch.Tensor:
         z = self._zeros.get(device)
@@ -129,7 +132,7 @@ class GradProbe:
             return torch.stack(norms).float()
         return torch.stack(self._foreach_norm(tensors, ord)).float()
 
-    def _update_norms(self, live: list[torch.Tensor]) -> torch.Tensor:
+    def _update_norms(self, live: list[torch.Tensor], in_place: bool = True) -> torch.Tensor:
         """``||w_old - w_now||`` per tensor, from the snapshot. On the CPU in float32 the big tensors go through
         ``torch.dist`` (identical bits to subtract-then-norm in every case measured, 8.4 against 11-13 ms on the
         8x1024 MLP: the difference is not written back into the snapshot); small ones stay in one foreach subtract and norm,
@@ -138,6 +141,8 @@ class GradProbe:
         assert snap is not None
         big = self._dist_idx
         if not big:
+            if not in_place:  # the overlap worker: the snapshot stays, in case the boundary must redo this
+                return self._norm_vec(torch._foreach_sub(snap, live), 2.0, True)
             torch._foreach_sub_(snap, live)  # snap := w_old - w_new
             return self._norm_vec(snap, 2.0, True)
         out = torch.empty(self.n, dtype=torch.float32)
@@ -146,7 +151,10 @@ class GradProbe:
         small = self._small_idx
         if small:
             rest = [snap[i] for i in small]
-            torch._foreach_sub_(rest, [live[i] for i in small])
+            if in_place:
+                torch._foreach_sub_(rest, [live[i] for i in small])
+            else:
+                rest = torch._foreach_sub(rest, [live[i] for i in small])
             out[small] = torch.stack(torch._foreach_norm(rest))
         return out
 
@@ -167,6 +175,13 @@ class GradProbe:
         if self._snap is None or self._snap_wn is None:
             self._snap_active = False
             return
+        ov = self.overlap
+        if ov is not None:
+            ratio = ov.take("settle", self._snap_step)
+            if ratio is not None:
+                self._pending_ur = (self._snap_step, ratio)
+                self._snap_active = False
+                return
         with torch.no_grad():
             live = [p.detach() for p in self.params]
             dw = self._update_norms(live)
@@ -249,21 +264,58 @@ class GradProbe:
                 return
         elif parts.host:
             parts.put("gmax", self._maxabs_vec([p.grad for p in self.params]))
+        got = self.overlap.take("weights", step) if self.overlap is not None and parts.host else None
+        if got is None:
+            if self.overlap is not None:
+                self.overlap.drain()  # nothing of the worker's may still be writing the snapshot
+            got = self.weight_stats(parts.host)
+        wn, wnf = got
+        parts.add("wn", wn)
+        if parts.host:
+            meta["wnf"] = wnf
+        if self.update_ratio:
+            self._snap_wn, self._snap_step, self._snap_active = wn, step, True
+
+    def weight_stats(self, host: bool) -> tuple[torch.Tensor, dict[int, int]]:
+        """The weight norms, on the host the exact count of non-finite weights, and (with update ratios) the
+        snapshot of the weights; at the boundary, or by the overlap worker before it (:mod:`.overlap`)."""
         with torch.no_grad():
             weights = [p.detach() for p in self.params]
             wn = self._norm_vec(weights, 2.0, True)
-            parts.add("wn", wn)
-            if parts.host:
+            wnf: dict[int, int] = {}
+            if host:
                 norms = wn.tolist()
                 bad = [] if math.isfinite(sum(norms)) else [i for i, v in enumerate(norms) if not math.isfinite(v)]
                 counts = torch.stack([(~torch.isfinite(weights[i])).sum() for i in bad]).tolist() if bad else []
-                meta["wnf"] = {i: int(c) for i, c in zip(bad, counts) if c > 0}
+                wnf = {i: int(c) for i, c in zip(bad, counts) if c > 0}
             if self.update_ratio:
                 if self._snap is None:
                     self._snap = [w.clone() for w in weights]
                 else:
                     torch._foreach_copy_(self._snap, weights)
-                self._snap_wn, self._snap_step, self._snap_active = wn, step, True
+        return wn, wnf
+
+    def settle_ratio(self) -> np.ndarray:
+        """The overlap worker's settle: the update ratio of the snapshot's step, from the weights after its
+        ``optimizer.step()``, leaving the snapshot as it is."""
+        with torch.no_grad():
+            dw = self._update_norms([p.detach() for p in self.params], in_place=False)
+        assert self._snap_wn is not None
+        return update_ratio(dw.numpy(), self._snap_wn.numpy())
+
+    def after_optimizer_step(self, next_step: int, next_detail: bool) -> None:
+        """The optimizer's step post-hook (CPU, big models): the settle of the snapshot taken at this step, or
+        else the weights of the next boundary if it is a detail step, go to the overlap worker. Never both:
+        the next snapshot would be copied over one the boundary may still have to settle itself (consecutive
+        detail steps -- the first ones, ``detail_every=1`` -- keep their weights on the boundary)."""
+        ov = self.overlap
+        if ov is None or ov.off or self.branchless or ov.pending("settle") or ov.pending("weights"):
+            return
+        if self._snap_active:
+            if self._snap is not None and self._snap_wn is not None:
+                ov.submit("settle", self._snap_step, self.settle_ratio)
+        elif next_detail:
+            ov.submit("weights", next_step, lambda: self.weight_stats(True))
 
     def updates(self, parts: Parts, meta: dict[str, Any]) -> None:
         """The update ratios measured by :meth:`settle` at this boundary, if any."""

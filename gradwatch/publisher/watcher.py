@@ -107,7 +107,8 @@ class Watcher:
                                     optimizer=optimizer, scaler=scaler, every=cfg.every, detail_every=detail_every,
                                     submit=self._submit)
         self._boundaries = Boundaries(self._mark, self._live, self._measure_clip,
-                                      first_grad=lambda: next((p.grad for p in params if p.grad is not None), None))
+                                      first_grad=lambda: next((p.grad for p in params if p.grad is not None), None),
+                                      after_step=self._after_optimizer_step if self._probe.overlap else None)
         rank, world = rank_world()
         self.run_id = transport.new_run_id()
         self.name = cfg.name or (Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "python") or "run"
@@ -290,6 +291,9 @@ class Watcher:
         if dead is not None:
             self._disable(dead)
         return ok
+
+    def _after_optimizer_step(self) -> None:
+        self._guarded(self._collector.after_optimizer_step)
 
     def _measure_clip(self) -> None:
         if self._collector.clip_due is not None:

@@ -1,0 +1,122 @@
+"""The overlapped detail work (gradwatch/publisher/overlap.py, issue 13): a big CPU model's weight norms,
+snapshot and update ratio are measured by a worker thread between optimizer.step() and the next boundary.
+The viewer must see the very Steps the boundary would have measured itself -- in both ways of marking the
+boundary, with momentum and with Adam -- and a weight written in between, a failing job, close() and a
+fork must each leave the boundary measuring for itself."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gradwatch
+from _fw import assert_same_measurements, steps_of
+
+torch.set_num_threads(1)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    """263k values in 4 tensors: off the lean path (and so off the raw hand-off), like a big model."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+
+
+def _train(seed: int, overlap: bool, steps: int, monkeypatch: pytest.MonkeyPatch, *, adam: bool = False,
+           hooks: bool = False, poke: set[int] | None = None) -> tuple[dict[int, Any], Any]:
+    """Every Step the viewer decodes, and the worker (None when off). ``poke``: after these steps' optimizer
+    step, halve every weight in place (what a weight constraint or an EMA swap does)."""
+    monkeypatch.setenv("GRADWATCH_OVERLAP", "1" if overlap else "0")
+    model = _model(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3) if adam else \
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=4)
+    worker = gw._probe.overlap  # noqa: SLF001
+    assert (worker is not None) is overlap
+    client = gradwatch.connect(gw.run_id)
+    g = torch.Generator().manual_seed(seed)
+    for k in range(steps):
+        x = torch.randn(16, 256, generator=g)
+        loss = ((model(x) - x) ** 2).mean()
+        loss.backward()
+        if not hooks:
+            gw.step(loss, inputs=x)
+        opt.step()
+        opt.zero_grad()
+        if poke and k in poke:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+    out = steps_of(client, steps)
+    gw.close()
+    client.close()
+    return out, worker
+
+
+@pytest.mark.parametrize(("seed", "adam", "hooks"), [(0, False, False), (1, True, False), (2, False, True)])
+def test_overlapped_detail_steps_publish_what_the_boundary_measures(runtime: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    seed: int, adam: bool, hooks: bool) -> None:
+    steps = 22
+    (got, worker), (ref, _) = (_train(seed, on, steps, monkeypatch, adam=adam, hooks=hooks) for on in (True, False))
+    assert sorted(got) == sorted(ref) == list(range(steps))
+    for k in range(steps):
+        assert_same_measurements(got[k], ref[k], 1e-6)
+    with_wn = [k for k in range(steps) if got[k].weight_norm is not None]
+    with_ur = [k for k in range(steps) if got[k].update_ratio is not None]
+    assert with_wn == [0, 1, 2, 4, 8, 12, 16, 20] and with_ur == [1, 2, 3, 5, 9, 13, 17, 21]
+    # every settle was the worker's, and every detail step's weights but those of the first three (step 0
+    # has no optimizer step before it; 1 and 2 follow a detail step, whose settle the worker had then)
+    assert worker.served == len(with_wn) - 3 + len(with_ur) and worker.stale == 0 and worker.off
+
+
+def test_a_weight_written_after_the_optimizer_step_is_measured_at_the_boundary(
+        runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    poke = {3, 8}  # before detail step 4 (its weights job is stale) and before settle 9 (the settle's)
+    (got, worker), (ref, _) = (_train(3, on, 12, monkeypatch, poke=poke) for on in (True, False))
+    for k in range(12):
+        assert_same_measurements(got[k], ref[k], 1e-6)
+    assert got[4].weight_norm is not None and got[9].update_ratio is not None
+    assert worker.stale == 2
+
+
+def test_a_failing_job_switches_the_worker_off_and_the_boundary_measures(runtime: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwatch.publisher.probes import GradProbe
+
+    def broken(self: GradProbe) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(GradProbe, "settle_ratio", broken)
+    (got, worker), (ref, _) = (_train(4, on, 10, monkeypatch) for on in (True, False))
+    for k in range(10):
+        assert_same_measurements(got[k], ref[k], 1e-6)
+    assert got[1].update_ratio is not None  # measured at the boundary after the job failed
+    assert worker.off and worker.served == 0
+
+
+def test_close_stops_the_worker_and_a_forked_child_waits_for_nothing(runtime: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_OVERLAP", "1")
+    model = _model(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
+    worker = gw._probe.overlap  # noqa: SLF001
+    for _ in range(3):
+        model(torch.randn(4, 256)).square().mean().backward()
+        gw.step()
+        opt.step()  # hands the next boundary's work over
+        opt.zero_grad()
+    assert worker.pending("settle") or worker.pending("weights")
+    pid = os.fork()
+    if pid == 0:  # the child has no worker thread: nothing handed over may be waited for
+        code = 0 if worker.take("weights", 3) is None and worker.off and not worker.submit("weights", 4, int) else 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    gw.close()
+    assert not any(t.name == "gradwatch-overlap" and t.is_alive() for t in threading.enumerate())
+    assert worker.off and not worker.submit("weights", 9, int)
