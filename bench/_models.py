@@ -33,6 +33,31 @@ class Workload:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
 
+#: glibc's mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def steady_allocator() -> str:
+    """Keep glibc's allocator from handing memory back to the kernel between steps (bench/README.md 1.13).
+
+    With glibc's defaults the 8x1024 MLP's step went between 52 and 78 ms from one block to the next, the
+    bare loop against itself (A/A) too: tensors of 4 MiB are served from the heap once the dynamic mmap
+    threshold has risen, but the heap's top is trimmed whenever more than twice that is free there, and the
+    next step faults every page back in (``optimizer.step()`` 14 ms or 40 ms, in ``sys`` time). That is
+    luck of the heap's layout, the same for every variant, and it swamped a 1 % difference. Here the mmap
+    threshold is fixed at its maximum (32 MiB) and the trim threshold at 2 GiB; every variant runs under it. What
+    was set, for the report."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) == 1  # an int
+    except (OSError, AttributeError):
+        ok = False
+    return "glibc mmap threshold 32 MiB, trim threshold 2 GiB" if ok else "allocator defaults (mallopt unavailable)"
+
+
 def tiny_mlp(hidden_blocks: int = 10) -> nn.Module:
     """The tutorial MLP: Linear 5→64, ReLU, N × (Linear 64→64, ReLU), Linear 64→1, Sigmoid."""
     layers: list[nn.Module] = [nn.Linear(5, 64), nn.ReLU()]

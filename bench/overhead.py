@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from _models import (  # noqa: E402
-    Workload, copy_floor_monitor, fused_monitor, lightning_monitor, make_workload, naive_monitor,
+    Workload, copy_floor_monitor, fused_monitor, lightning_monitor, make_workload, naive_monitor, steady_allocator,
 )
 
 VARIANTS = ("bare", "bare_AA", "gradwatch+sub", "gradwatch", "naive_item", "fused_ref", "lightning_grad_norm")
@@ -331,6 +331,8 @@ def main() -> int:
                     help="pass detail_every=N to gradwatch.watch (default: gradwatch's own default)")
     ap.add_argument("--out", default=str(HERE / "results" / "overhead.json"))
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--malloc-defaults", action="store_true",
+                    help="leave glibc's allocator as it is (default: no trimming, _models.steady_allocator)")
     args = ap.parse_args()
     asked = set(args.variants.split(","))
     unknown = asked - set(VARIANTS) - set(EXTRA_VARIANTS)
@@ -340,16 +342,17 @@ def main() -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
 
     torch.set_num_threads(1)
+    allocator = "allocator defaults" if args.malloc_defaults else steady_allocator()
     runtime = tempfile.mkdtemp(prefix="gw-bench-")
     os.environ["GRADWATCH_RUNTIME_DIR"] = runtime
     meta = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "machine": platform.machine(),
         "git_head": git_head(), "gradwatch_source_sha1": source_digest(), "quick": args.quick,
-        "detail_every": args.detail_every, "argv": sys.argv[1:],
+        "detail_every": args.detail_every, "argv": sys.argv[1:], "allocator": allocator,
     }
     print(f"gradwatch overhead bench: torch {meta['torch']}, threads {meta['torch_threads']}, {meta['cpus']} CPUs, "
-          f"HEAD {meta['git_head']}, gradwatch sources {meta['gradwatch_source_sha1']}"
+          f"HEAD {meta['git_head']}, gradwatch sources {meta['gradwatch_source_sha1']}, {allocator}"
           f"{' (QUICK)' if args.quick else ''}", flush=True)
     results = []
     for m in models:

@@ -36,7 +36,9 @@ sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from _models import copy_floor_monitor, flat_views, fused_monitor, make_workload, naive_monitor  # noqa: E402
+from _models import (  # noqa: E402
+    copy_floor_monitor, flat_views, fused_monitor, make_workload, naive_monitor, steady_allocator,
+)
 from overhead import Variant, start_subscriber  # noqa: E402
 
 PHASES = ("zero_grad", "forward", "backward", "monitor", "opt.step")
@@ -151,8 +153,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--malloc-defaults", action="store_true", help="leave glibc's allocator as it is")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if not args.malloc_defaults:
+        print(f"phases.py: {steady_allocator()}")
     wl = make_workload(args.model, seed=args.seed)
     state = copy.deepcopy(wl.model.state_dict())
     names = ["bare"] + [v for v in args.variants.split(",") if v and v != "bare"]
