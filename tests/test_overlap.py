@@ -120,3 +120,20 @@ def test_close_stops_the_worker_and_a_forked_child_waits_for_nothing(runtime: Pa
     gw.close()
     assert not any(t.name == "gradwatch-overlap" and t.is_alive() for t in threading.enumerate())
     assert worker.off and not worker.submit("weights", 9, int)
+
+
+def test_where_the_work_overlaps(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwatch.publisher.overlap import MIN_VALUES, overlap_wanted
+
+    class Flat(torch.nn.Parameter):  # what FSDP's FlatParameter is: a subclass that swaps its storage
+        pass
+
+    small, plain = list(_model(0).parameters()), [torch.nn.Parameter(torch.zeros(MIN_VALUES))]
+    monkeypatch.delenv("GRADWATCH_OVERLAP", raising=False)
+    assert not overlap_wanted(small, cuda=False)  # too small to be worth a thread
+    assert overlap_wanted(plain, cuda=False) is (torch.get_num_threads() < len(os.sched_getaffinity(0)))
+    assert not overlap_wanted(plain, cuda=True)
+    monkeypatch.setenv("GRADWATCH_OVERLAP", "1")
+    assert overlap_wanted(small, cuda=False) and not overlap_wanted([Flat(torch.zeros(4))], cuda=False)
+    monkeypatch.setenv("GRADWATCH_OVERLAP", "0")
+    assert not overlap_wanted(plain, cuda=False)

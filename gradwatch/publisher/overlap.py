@@ -43,7 +43,10 @@ def overlap_wanted(params: list[Any], cuda: bool) -> bool:
     try:
         import torch
 
-        if not all(p.device.type == "cpu" for p in params):
+        # plain CPU parameters only: FSDP's flat parameters and DTensors swap and free their storage during
+        # forward and backward, which the worker would read at the same time
+        if not all(type(p) is torch.nn.Parameter and type(p.data) is torch.Tensor and p.device.type == "cpu"
+                   for p in params):
             return False
         if how == "1":
             return True
