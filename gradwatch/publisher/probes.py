@@ -36,8 +36,8 @@ import torch
 from gradwatch.publisher.act_probe import ActivationProbe, module_tree  # noqa: F401 - re-exported
 from gradwatch.publisher.data_stats import DATA_FIELDS, INF, data_stats  # noqa: F401 - re-exported
 from gradwatch.publisher.flat import LeanPath, exact_nonfinite, total_norm, update_ratio
-from gradwatch.publisher.overlap import Overlap, overlap_wanted
 from gradwatch.publisher.hyper import HYPER_KEYS, RateCache, hyper_of, scalar_part  # noqa: F401 - re-exported
+from gradwatch.publisher.overlap import Overlap, overlap_wanted
 from gradwatch.publisher.parts import Parts, _EventPool
 from gradwatch.publisher.segments import F32_MAX
 
