@@ -4,7 +4,7 @@ py-spy (``pip install py-spy``; needs ptrace, e.g. root) samples the trainer pro
 sample records the one thread that holds the GIL at that instant, or nothing when no thread does (the
 training thread inside a torch kernel that released it). So the share of samples per thread is the share
 of wall time that thread held the GIL. For gradwatch the question is how much of it its own threads take
-(``gradwatch-sender``, ``gradwatch-control``) and how much of the training thread's GIL time is spent in
+(``gradwatch-sender``, ``gradwatch-control``, ``gradwatch-overlap``) and how much of the training thread's GIL time is spent in
 gradwatch's code, against a bare loop measured the same way in the same run.
 
     .venv/bin/python bench/gil.py                         # tiny_mlp and mid_mlp, 20 s each variant
@@ -135,6 +135,7 @@ def main() -> int:
             print(f"{model:<10} {variant:<10} {r['steps_per_s']:8.1f} steps/s  GIL: training thread "
                   f"{share.get('MainThread', 0):.3f} (in gradwatch code {r['main_in_gradwatch_share']:.3f}), "
                   f"sender {share.get('gradwatch-sender', 0):.3f}, control {share.get('gradwatch-control', 0):.3f}, "
+                  f"overlap {share.get('gradwatch-overlap', 0):.4f}, "
                   f"nobody {r['no_holder_share']:.3f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
