@@ -137,3 +137,55 @@ def test_where_the_work_overlaps(monkeypatch: pytest.MonkeyPatch) -> None:
     assert overlap_wanted(small, cuda=False) and not overlap_wanted([Flat(torch.zeros(4))], cuda=False)
     monkeypatch.setenv("GRADWATCH_OVERLAP", "0")
     assert not overlap_wanted(plain, cuda=False)
+
+
+def _fit_lightning(overlap: bool, monkeypatch: pytest.MonkeyPatch, clip: float | None) -> tuple[dict[int, Any], Any]:
+    """Lightning steps the optimizer with a closure (forward and backward run inside optimizer.step(), after
+    its pre-hook): the post-hook must still hand over only what the next boundary reads."""
+    import lightning as L
+
+    from gradwatch.integrations.lightning import GradwatchCallback
+
+    monkeypatch.setenv("GRADWATCH_OVERLAP", "1" if overlap else "0")
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model(6)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return ((self.net(x) - x) ** 2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    cb = GradwatchCallback(announce=False, detail_every=3, diagnose=False)
+    found: list[Any] = []
+
+    class Attach(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            found.append(gradwatch.connect(cb.gw.run_id, timeout=10))
+            found.append(cb.gw._probe.overlap)  # noqa: SLF001
+
+    x = torch.randn(96, 256, generator=torch.Generator().manual_seed(6))
+    trainer = L.Trainer(max_steps=12, accelerator="cpu", gradient_clip_val=clip, callbacks=[cb, Attach()],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Net(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8))
+    client, worker = found
+    out = steps_of(client, 12)
+    client.close()
+    return out, worker
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_through_lightning_the_overlapped_steps_are_the_boundarys(runtime: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   clip: float | None) -> None:
+    (got, worker), (ref, _) = (_fit_lightning(on, monkeypatch, clip) for on in (True, False))
+    assert sorted(got) == sorted(ref) == list(range(12))
+    for k in range(12):
+        assert_same_measurements(got[k], ref[k], 1e-6)
+    assert [k for k in range(12) if got[k].update_ratio is not None] == [1, 2, 3, 4, 7, 10]
+    assert worker.served == 2 + 6 and worker.stale == 0  # detail steps 6 and 9 (3 follows one); every settle
