@@ -104,8 +104,9 @@ class SlotTable:
 
     def acquire(self) -> tuple[int, int] | None:
         """(slot, seq) of a slot the sidecar is done with, or None (all in flight: take the ordinary path).
-        The lowest free slot: while the sidecar keeps up that is the same one step after step, still in
-        the cache from the last copy; the others only take a backlog."""
+        The lowest free slot. The sidecar reads the ring every 10 ms, so a model stepping faster goes through
+        several slots per read (the tutorial MLP: ~11, 1.8 MiB); keeping to one slot (a private copy, or
+        reading every 0.3 ms) made the step no cheaper (bench/README.md 1.13)."""
         used = self._used
         if _Q.unpack_from(self._mm, self._base)[0] == used[0]:
             i = 0  # the common case, without the loop
