@@ -76,9 +76,8 @@ class Collector:
     def after_optimizer_step(self) -> None:
         """The optimizer stepped (its post-hook): the probe may hand the next boundary's weight work to its
         overlap worker (:mod:`.overlap`) -- the settle of this step's snapshot, the weights of a detail step."""
-        if self.raw is None:
-            nxt = self.step % self.every == 0 and is_detail(self.published, self.detail_every)
-            self.probe.after_optimizer_step(self.step, nxt)
+        nxt = self.step % self.every == 0 and is_detail(self.published, self.detail_every)
+        self.probe.after_optimizer_step(self.step, nxt)  # (only off the lean path, so never with the raw hand-off)
 
     def hyper(self, detail: bool) -> tuple[list[dict[str, float]], list[tuple[int, str, torch.Tensor]]]:
         """The optimizer's hyper-parameters for this step: every one on detail steps, else the learning

@@ -41,7 +41,6 @@ ALERT, STATUS = 10, 11
 READY_TIMEOUT_S = 15.0
 #: The trainer polls the sidecar's liveness and sends its own counters this often (at most).
 TICK_S = 0.25
-_monotonic = time.monotonic
 #: At close, a sidecar that reads nothing from the ring for this long is taken as frozen and killed.
 STOP_ACCEPT_S = 0.3
 #: A sidecar still working through its backlog when close() gives up waiting is left to finish (it stops
@@ -126,14 +125,10 @@ class SidecarSender:
         the sidecar's until released; False when it was not written (then the slot is still ours)."""
         if self.dead_reason is not None or self._stopping:
             return False
-        ring = self._ring
-        with self._lock:  # _write's body: one frame less on every steady step
-            ok = ring.write(payload)
-        if not ok:
-            self.dropped += 1
-        if ring.back_pending():  # alerts for pause_on: read at once
+        ok = self._write(payload)
+        if self._ring.back_pending():  # alerts for pause_on: read at once
             self._read_back()
-        if _monotonic() >= self._next_tick:
+        if time.monotonic() >= self._next_tick:
             self._tick()
         return ok
 

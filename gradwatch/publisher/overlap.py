@@ -98,8 +98,10 @@ class Overlap:
             self.off = True
             return False
 
-    def pending(self, kind: str) -> bool:
-        return any(j.kind == kind for j in self._jobs)
+    @property
+    def busy(self) -> bool:
+        """A job handed over and not collected by a boundary yet (no second one is handed over then)."""
+        return bool(self._jobs)
 
     def take(self, kind: str, tag: Any) -> Any:
         """At the boundary: wait for every job handed over (none may still be writing what the boundary

@@ -246,7 +246,7 @@ class GradProbe:
                     gn[i] = v if v <= F32_MAX else math.inf
                     a[i] = gn[i]
                 total = math.sqrt(float(np.dot(a, a)))
-        parts.values["gn"] = gn.numpy().tobytes()  # parts.add's host case: a copy of the bytes, after the fix above
+        parts.put("gn", gn.numpy())  # host bytes at once (a copy: after the fix above; _out is reused)
         return total
 
     def details(self, parts: Parts, meta: dict[str, Any], step: int) -> None:
@@ -312,7 +312,7 @@ class GradProbe:
         the next snapshot would be copied over one the boundary may still have to settle itself (consecutive
         detail steps -- the first ones, ``detail_every=1`` -- keep their weights on the boundary)."""
         ov = self.overlap
-        if ov is None or ov.off or self.branchless or ov.pending("settle") or ov.pending("weights"):
+        if ov is None or ov.off or self.branchless or ov.busy:
             return
         if self._snap_active:
             if self._snap is not None and self._snap_wn is not None:

@@ -104,30 +104,8 @@ class Ring:
     # ------------------------------------------------------------------ the two directions
 
     def write(self, payload: bytes) -> bool:
-        """Trainer -> sidecar. False (nothing written) when the record does not fit now. :meth:`_write` in one
-        frame for this direction (it carries every steady step: each call and statement there costs the
-        training step about twice, docs/design.md "The steady step")."""
-        mm = self._mm
-        cap = self.fwd_cap
-        w = _unpack_Q(mm, _FWD_W)[0]
-        size = len(payload)
-        n = 4 + size
-        seen = self._seen_r
-        if n > cap - (w - seen[_FWD_R]):
-            r = seen[_FWD_R] = _unpack_Q(mm, _FWD_R)[0]
-            if n > cap - (w - r):
-                return False
-        off = w % cap
-        if off + n <= cap:
-            at = self._fwd_at + off
-            _pack_L(mm, at, size)
-            mm[at + 4:at + n] = payload
-        else:
-            self._put(self._fwd_at, cap, w, _L.pack(size) + payload)
-        if WEAK:
-            _fence()
-        _pack_Q(mm, _FWD_W, w + n)  # after the record: the reader sees all of it or none
-        return True
+        """Trainer -> sidecar. False (nothing written) when the record does not fit now."""
+        return self._write(payload, self._fwd_at, self.fwd_cap, _FWD_W, _FWD_R)
 
     def read(self, limit: int = 1 << 30) -> list[bytes]:
         """Sidecar: up to ``limit`` records the trainer wrote, oldest first."""
@@ -164,16 +142,24 @@ class Ring:
 
     def _write(self, payload: bytes, base: int, cap: int, w_at: int, r_at: int) -> bool:
         mm = self._mm
-        w = _Q.unpack_from(mm, w_at)[0]
-        n = _L.size + len(payload)
-        if n > cap - (w - self._seen_r[r_at]):
-            r = self._seen_r[r_at] = _Q.unpack_from(mm, r_at)[0]
+        w = _unpack_Q(mm, w_at)[0]
+        size = len(payload)
+        n = 4 + size
+        seen = self._seen_r
+        if n > cap - (w - seen[r_at]):
+            r = seen[r_at] = _unpack_Q(mm, r_at)[0]
             if n > cap - (w - r):
                 return False
-        self._put(base, cap, w, _L.pack(len(payload)) + payload)
+        off = w % cap
+        if off + n <= cap:  # the common case: the length packed in place, no concatenated copy of the record
+            at = base + off
+            _pack_L(mm, at, size)
+            mm[at + 4:at + n] = payload
+        else:
+            self._put(base, cap, w, _L.pack(size) + payload)
         if WEAK:
             _fence()
-        _Q.pack_into(mm, w_at, w + n)  # after the record: the reader sees all of it or none
+        _pack_Q(mm, w_at, w + n)  # after the record: the reader sees all of it or none
         return True
 
     def _put(self, base: int, cap: int, pos: int, data: bytes) -> None:

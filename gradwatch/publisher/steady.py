@@ -31,8 +31,7 @@ from gradwatch.publisher.raw import integer_flag
 from gradwatch.publisher.slots import (
     _CLIP, _CLIP_AT, _HEAD, _IN, _IN_INT, _LOSS, _SETTLE, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP,
 )
-from gradwatch.publisher.ring import WEAK
-from gradwatch.publisher.trouble import FIRST_DETAIL
+from gradwatch.publisher.trouble import FIRST_DETAIL, is_clip, is_detail
 
 if TYPE_CHECKING:
     from gradwatch.publisher.watcher import Watcher
@@ -44,7 +43,6 @@ _grad_on = torch.is_grad_enabled
 _copy = torch._foreach_copy_
 _dot = torch.dot
 _pack = _HEAD.pack
-_unpack_Q = struct.Struct("<Q").unpack_from
 _isfinite = math.isfinite
 _sqrt = math.sqrt
 
@@ -93,20 +91,13 @@ class SteadyStep:
         if (col.user or b.loss._n or b.in_pause or acts._request or acts.armed or acts.every or acts.probe.attached
                 or col.clip_due is not None or (b._watching_optimizer and b._events == b._events_at_step)):
             return False  # user scalars, micro-batch losses, activation statistics, accumulation...
-        every = col.detail_every
-        detail = pub % every == 0  # trouble.is_detail, past FIRST_DETAIL (arm() saw to that)
+        detail = is_detail(pub, col.detail_every)
         settle = col._raw_snap  # the sidecar holds the last step's weights: this step's weights settle them
         table = self.table
-        used = table._used
-        if not WEAK and _unpack_Q(table._mm, table._base)[0] == used[0]:
-            i, seq = 0, used[0] + 1  # SlotTable.acquire's common case, without its frame
-        else:
-            got = table.acquire()
-            if got is None:
-                return False
-            i, seq = got
-        if detail and col.probe.update_ratio and not table.next_free():
+        got = table.acquire()
+        if got is None or (detail and col.probe.update_ratio and not table.next_free()):
             return False  # (a detail step keeps a second slot free for its settle)
+        i, seq = got
         if loss is None:
             loss_f = None
         elif isinstance(loss, _Tensor):
@@ -200,9 +191,9 @@ class SteadyStep:
                     col._clip = None
             sender = w.sender
             if sender.submit_raw(payload):
-                used[i] = seq  # SlotTable.commit
+                table.commit(i, seq)
                 col._raw_snap = bool(wflags & W_SNAP)
-            if opt is not None and col.measure_clips and (every == 1 or pub % every == every // 2):  # is_clip
+            if opt is not None and col.measure_clips and is_clip(pub, col.detail_every):
                 col.clip_due = step  # the optimizer hook measures the total after the user's clipping
             col.raw_steps += 1
             acts._next = step + 1
