@@ -167,15 +167,18 @@ def _fit_lightning(overlap: bool, monkeypatch: pytest.MonkeyPatch, clip: float |
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             found.append(gradwatch.connect(cb.gw.run_id, timeout=10))
             found.append(cb.gw._probe.overlap)  # noqa: SLF001
+            found.append(cb.gw._probe.prefetch)  # noqa: SLF001
 
     x = torch.randn(96, 256, generator=torch.Generator().manual_seed(6))
     trainer = L.Trainer(max_steps=12, accelerator="cpu", gradient_clip_val=clip, callbacks=[cb, Attach()],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(Net(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8))
-    client, worker = found
+    client, worker, prefetch = found
     out = steps_of(client, 12)
     client.close()
+    if overlap:  # the boundary runs before Lightning clips: every gradient norm measured during backward
+        assert prefetch.served == 12 * 4 and prefetch.redone == 0
     return out, worker
 
 

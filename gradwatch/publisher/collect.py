@@ -138,9 +138,10 @@ class Collector:
                 for gi, k, t in tensors:
                     parts.add(f"opt:{gi}:{k}", t)
         probe.updates(parts, meta)
-        total = probe.grad_norms(parts, meta)
+        # the batches first: meanwhile the overlap worker measures the norms of the last gradients of backward
         batch = {name: data_stats(t, exact_on_host=host) for name, t in (("inputs", inputs), ("targets", targets))
                  if t is not None}
+        total = probe.grad_norms(parts, meta)
         self._scan(meta, total, batch, inputs, targets)
         for name, st in batch.items():
             if st is not None:

@@ -72,7 +72,7 @@ class Overlap:
     def __init__(self, params: list[Any]) -> None:
         self.params = params
         self._jobs: deque[_Job] = deque()  # handed over, result not collected yet (the training thread's list)
-        self._todo: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # the worker's
+        self._todo: queue.SimpleQueue[Any] = queue.SimpleQueue()  # the worker's
         self._done: dict[str, _Job] = {}  # finished, not taken yet, by kind
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -89,14 +89,39 @@ class Overlap:
         try:
             job = _Job(kind, tag, fn, self._versions())
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gradwatch-overlap", daemon=True)
-                self._thread.start()
+                self._start()
             self._jobs.append(job)
             self._todo.put(job)
             return True
         except Exception:  # noqa: BLE001 - no thread (interpreter shutting down): inline from now on
             self.off = True
             return False
+
+    def post(self, item: tuple[Any, ...]) -> bool:
+        """Queue ``item[0](*item[1:])`` for the worker, no result kept, from any thread (a gradient's norm
+        posted from backward, :mod:`.grad_prefetch`). A failure switches the worker off, as a failed job does."""
+        if self.off or os.getpid() != self._pid:
+            return False
+        if self._thread is None:
+            self._start()
+        self._todo.put(item)
+        return True
+
+    def flush(self) -> bool:
+        """Wait until the worker has run everything queued before now; False when it cannot (off, forked, no
+        worker started, gone): then nothing it ran since the last flush may be trusted."""
+        if self.off or os.getpid() != self._pid or self._thread is None:
+            return False
+        ev = threading.Event()
+        self._todo.put(ev)
+        if not ev.wait(WAIT_S):
+            self.off = True
+            return False
+        return not self.off
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gradwatch-overlap", daemon=True)
+        self._thread.start()
 
     @property
     def busy(self) -> bool:
@@ -161,6 +186,15 @@ class Overlap:
             job = self._todo.get()
             if job is None:
                 return
+            if type(job) is threading.Event:  # a flush: everything before it has run
+                job.set()
+                continue
+            if type(job) is tuple:
+                try:
+                    job[0](*job[1:])
+                except BaseException:  # noqa: BLE001 - the boundary measures for itself from now on
+                    self.off = True
+                continue
             try:
                 job.result = job.fn()
             except BaseException:  # noqa: BLE001 - any failure: the boundary measures it itself

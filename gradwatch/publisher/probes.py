@@ -37,6 +37,7 @@ from gradwatch.publisher.act_probe import ActivationProbe, module_tree  # noqa: 
 from gradwatch.publisher.data_stats import DATA_FIELDS, INF, data_stats  # noqa: F401 - re-exported
 from gradwatch.publisher.flat import LeanPath, exact_nonfinite, total_norm, update_ratio
 from gradwatch.publisher.hyper import HYPER_KEYS, RateCache, hyper_of, scalar_part  # noqa: F401 - re-exported
+from gradwatch.publisher.grad_prefetch import GradPrefetch
 from gradwatch.publisher.overlap import Overlap, overlap_wanted
 from gradwatch.publisher.parts import Parts, _EventPool
 from gradwatch.publisher.segments import F32_MAX
@@ -94,6 +95,9 @@ class GradProbe:
         self._lean.ok = self._lean.ok and not self.cuda
         #: A big CPU model's weight work, run between optimizer.step() and the boundary (:mod:`.overlap`).
         self.overlap = Overlap(params) if not self._lean.ok and overlap_wanted(params, self.cuda) else None
+        #: ... and its gradient norms, measured during backward (:mod:`.grad_prefetch`)
+        self.prefetch = GradPrefetch(self.overlap, params, self._f32) \
+            if self.overlap is not None and self._uniform else None
 
     def _zero(self, device: torch.device) -> torch.Tensor:
         z = self._zeros.get(device)
@@ -219,7 +223,10 @@ class GradProbe:
                 total = total_norm(norms)  # an overflow of finite values, measured again
             parts.put("gn", norms)
             return total
-        gn = self._norm_vec(grads, 2.0, complete, self._out if host else None)
+        pf = self.prefetch
+        gn = pf.norms(grads, self._out) if pf is not None and host and complete else None
+        if gn is None:
+            gn = self._norm_vec(grads, 2.0, complete, self._out if host else None)
         if not host:
             parts.add("gn", gn)
             parts.add("gmax", self._norm_vec(grads, INF, complete))

@@ -55,6 +55,8 @@ def remove_hooks(w: Watcher) -> None:
             pass
     w._collector.first.close()
     w._boundaries.detach()
+    if w._probe.prefetch is not None:
+        w._probe.prefetch.close()
     if w._probe.overlap is not None:
         w._probe.overlap.close()
     w._acts.probe.detach()

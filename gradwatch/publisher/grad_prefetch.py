@@ -1,0 +1,118 @@
+"""A big CPU model's per-parameter gradient norms, measured by the overlap worker while backward still runs.
+
+Why (docs/design.md, "Gradient norms during backward"; bench/README.md 1.14): on the 8x1024 MLP one read of
+the gradients -- ``_foreach_norm`` over 33 MB -- is ~1.2 ms of the boundary, more than the naive ``.item()``
+loop's whole cost, and the boundary cannot start it before backward has ended. But a parameter's gradient is
+final as soon as autograd has accumulated it, long before backward ends: a post-accumulate-grad hook hands
+each one to the worker thread of :mod:`.overlap`, which measures its norm on the spare core while backward
+goes on with the layers below; the boundary waits for the last few and stacks them.
+
+Exactly the same numbers or none: the worker calls the very ``torch._foreach_norm`` the boundary would (on
+CPU its per-tensor kernel: the same bits for a tensor alone as in a list), and a norm is used only if the
+parameter's ``.grad`` is still the tensor it measured, at the version it measured (``Tensor._version``,
+bumped by every in-place write: a second micro-batch accumulated into it, clipping before ``gw.step()``,
+unscaling). Any other gradient is measured at the boundary. Off under ``torch.distributed``: DDP's reducer
+writes the averaged gradients into bucket views after the hook has fired, and not all of those writes go
+through an operator that bumps the version.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from weakref import ref
+from typing import Any
+
+import torch
+
+from gradwatch.publisher.overlap import Overlap
+
+
+try:
+    from torch.distributed import is_initialized as _dist_initialized
+except Exception:  # noqa: BLE001 - a torch built without distributed
+    _dist_initialized = None
+
+
+def _distributed() -> bool:
+    try:
+        return _dist_initialized is not None and bool(_dist_initialized())
+    except Exception:  # noqa: BLE001
+        return True
+
+
+class GradPrefetch:
+    """Post-accumulate-grad hooks on every parameter and the norms the worker measured from them."""
+
+    def __init__(self, overlap: Overlap, params: list[torch.nn.Parameter], f32: bool) -> None:
+        self.ov = overlap
+        self.n = len(params)
+        self._kw: dict[str, Any] = {} if f32 else {"dtype": torch.float32}  # as GradProbe._norm_vec
+        #: per parameter: (the gradient measured, its version then, its float32 norm as a float), by the worker;
+        #: a weak reference: a gradient dropped by ``zero_grad()`` before any boundary read it is not kept alive
+        self._got: list[tuple[ref[torch.Tensor], int, float] | None] = [None] * self.n
+        self._out: tuple[torch.Tensor, Any] | None = None  # the boundary's vector and its numpy view
+        self._posted = 0  # hooks that handed a gradient over (the training thread counts)
+        self._measured = 0  # of those, the ones the worker is done with (the worker counts)
+        self.served = 0  # norms the boundary took from the worker
+        self.redone = 0  # norms it measured itself (a gradient written or replaced after its hook)
+        self.off = _distributed()
+        self._handles: list[Any] = []
+        if not self.off:
+            self._handles = [p.register_post_accumulate_grad_hook(partial(self._hook, i)) for i, p in enumerate(params)]
+
+    def _hook(self, i: int, p: torch.Tensor) -> None:
+        """In backward, on the training thread: never raises (it would surface in ``loss.backward()``)."""
+        try:
+            g = p.grad
+            if g is not None and not self.off and self.ov.post((self._measure, i, g, g._version)):
+                self._posted += 1
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _measure(self, i: int, g: torch.Tensor, version: int) -> None:
+        """On the worker: skipped when the gradient moved on since its hook (a later micro-batch posts it again)."""
+        if g._version == version:
+            self._got[i] = (ref(g), version, torch._foreach_norm([g], 2.0, **self._kw)[0].item())
+        self._measured += 1  # not on a failure: then the flush finds the worker off
+
+    def norms(self, grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor | None:
+        """At the boundary: the float32 norm vector (into ``out``), or None when the worker cannot be trusted
+        (off, gone, failed): then the boundary measures everything as before."""
+        if self.off or self.ov.off:
+            return None
+        if _distributed():
+            self.close()
+            return None
+        # the worker is usually done by now; waking it for a flush would cost more (~0.1 ms) than the check
+        flushed = self._measured == self._posted or self.ov.flush()
+        got, self._got = self._got, [None] * self.n
+        if not flushed:
+            return None
+        vals: list[Any] = []
+        redo: list[int] = []
+        for i, (g, r) in enumerate(zip(grads, got)):
+            if r is not None and r[0]() is g and r[1] == g._version:
+                vals.append(r[2])
+            else:
+                vals.append(None)
+                redo.append(i)
+        if redo:
+            for i, v in zip(redo, torch.stack(torch._foreach_norm([grads[i] for i in redo], 2.0, **self._kw)).tolist()):
+                vals[i] = v
+            self.redone += len(redo)
+        self.served += self.n - len(redo)
+        if self._out is None or self._out[0] is not out:
+            self._out = (out, out.numpy())
+        self._out[1][:] = vals  # float32 values held as floats: exact both ways (a stack of 0-d tensors: ~45 us)
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks (gw.close(), distributed training started); what the worker holds is dropped."""
+        self.off = True
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles = []
+        self._got = [None] * self.n
