@@ -71,6 +71,10 @@ def test_norms_measured_during_backward_are_the_boundarys(runtime: Path, monkeyp
         assert_same_measurements(got[k], ref[k], 1e-6)
     # every norm came from the worker: the second micro-batch's hooks posted the final gradients again
     assert pf.served == STEPS * 6 and pf.redone == 0 and pf.off
+    # and every detail step's gradient max-abs (the worker took it in the backward before each)
+    detail = [k for k in range(STEPS) if got[k].grad_max is not None]
+    assert detail == [k for k in range(STEPS) if ref[k].grad_max is not None] and len(detail) >= 4
+    assert pf.max_served == len(detail)
 
 
 @pytest.mark.parametrize(("how", "redone"), [("clip", STEPS * 6), ("write", STEPS // 2), ("replace", 4)])
@@ -80,6 +84,10 @@ def test_a_gradient_changed_after_its_hook_is_measured_at_the_boundary(runtime: 
     for k in range(STEPS):
         assert_same_measurements(got[k], ref[k], 1e-6)
     assert pf.redone == redone and pf.served == STEPS * 6 - redone
+    changed = {"clip": lambda k: True, "write": lambda k: k % 2 == 1, "replace": lambda k: k % 3 == 0}[how]
+    # a detail step's max-abs comes from the worker unless a gradient changed after its hook
+    assert pf.max_served == sum(got[k].grad_max is not None and not changed(k) for k in range(STEPS)) > 0 \
+        or how == "clip" and pf.max_served == 0
 
 
 def test_a_failing_worker_leaves_the_boundary_measuring(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:

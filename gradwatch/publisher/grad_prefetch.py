@@ -22,6 +22,7 @@ from functools import partial
 from weakref import ref
 from typing import Any
 
+import numpy as np
 import torch
 
 from gradwatch.publisher.overlap import Overlap
@@ -49,12 +50,16 @@ class GradPrefetch:
         self._kw: dict[str, Any] = {} if f32 else {"dtype": torch.float32}  # as GradProbe._norm_vec
         #: per parameter: (the gradient measured, its version then, its float32 norm as a float), by the worker;
         #: a weak reference: a gradient dropped by ``zero_grad()`` before any boundary read it is not kept alive
-        self._got: list[tuple[ref[torch.Tensor], int, float] | None] = [None] * self.n
+        self._got: list[tuple[Any, ...] | None] = [None] * self.n
+        #: the next boundary is a detail step: the worker also takes each gradient's min and max (its max-abs)
+        self.want_max = True
+        self._max: list[tuple[float, float] | None] | None = None  # this boundary's, for details()
         self._out: tuple[torch.Tensor, Any] | None = None  # the boundary's vector and its numpy view
         self._posted = 0  # hooks that handed a gradient over (the training thread counts)
         self._measured = 0  # of those, the ones the worker is done with (the worker counts)
         self.served = 0  # norms the boundary took from the worker
         self.redone = 0  # norms it measured itself (a gradient written or replaced after its hook)
+        self.max_served = 0  # detail boundaries whose max-abs came from the worker
         self.off = _distributed()
         self._handles: list[Any] = []
         if not self.off:
@@ -64,15 +69,21 @@ class GradPrefetch:
         """In backward, on the training thread: never raises (it would surface in ``loss.backward()``)."""
         try:
             g = p.grad
-            if g is not None and not self.off and self.ov.post((self._measure, i, g, g._version)):
+            if g is not None and not self.off and self.ov.post((self._measure, i, g, g._version, self.want_max)):
                 self._posted += 1
         except Exception:  # noqa: BLE001
             pass
 
-    def _measure(self, i: int, g: torch.Tensor, version: int) -> None:
-        """On the worker: skipped when the gradient moved on since its hook (a later micro-batch posts it again)."""
+    def _measure(self, i: int, g: torch.Tensor, version: int, want_max: bool) -> None:
+        """On the worker: skipped when the gradient moved on since its hook (a later micro-batch posts it again).
+        The max-abs as GradProbe._maxabs_vec takes it: one ``aminmax`` per non-empty tensor."""
         if g._version == version:
-            self._got[i] = (ref(g), version, torch._foreach_norm([g], 2.0, **self._kw)[0].item())
+            norm = torch._foreach_norm([g], 2.0, **self._kw)[0].item()
+            mm = None
+            if want_max and g.numel():
+                lo, hi = torch.aminmax(g)
+                mm = (lo.item(), hi.item())
+            self._got[i] = (ref(g), version, norm, mm)
         self._measured += 1  # not on a failure: then the flush finds the worker off
 
     def norms(self, grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor | None:
@@ -86,16 +97,21 @@ class GradPrefetch:
         # the worker is usually done by now; waking it for a flush would cost more (~0.1 ms) than the check
         flushed = self._measured == self._posted or self.ov.flush()
         got, self._got = self._got, [None] * self.n
+        self._max = None
         if not flushed:
             return None
         vals: list[Any] = []
         redo: list[int] = []
+        mx: list[tuple[float, float] | None] = []
         for i, (g, r) in enumerate(zip(grads, got)):
             if r is not None and r[0]() is g and r[1] == g._version:
                 vals.append(r[2])
+                mx.append(r[3])
             else:
                 vals.append(None)
+                mx.append(None)
                 redo.append(i)
+        self._max = mx
         if redo:
             for i, v in zip(redo, torch.stack(torch._foreach_norm([grads[i] for i in redo], 2.0, **self._kw)).tolist()):
                 vals[i] = v
@@ -103,7 +119,24 @@ class GradPrefetch:
         self.served += self.n - len(redo)
         if self._out is None or self._out[0] is not out:
             self._out = (out, out.numpy())
-        self._out[1][:] = vals  # float32 values held as floats: exact both ways (a stack of 0-d tensors: ~45 us)
+        self._out[1][:] = vals  # float32 values held as floats: exact both ways (no stack of 0-d tensors)
+        return out
+
+    def maxabs(self, grads: list[torch.Tensor]) -> np.ndarray | None:
+        """At a detail boundary, after :meth:`norms`: every gradient's max-abs from the worker's min and max,
+        as GradProbe._maxabs_vec computes it (NaN iff a NaN); None unless the worker measured every one."""
+        mx, self._max = self._max, None
+        if mx is None or len(mx) != len(grads):
+            return None
+        idx = [i for i, g in enumerate(grads) if g.numel()]
+        if any(mx[i] is None for i in idx):
+            return None
+        out = np.zeros(len(grads), dtype=np.float32)
+        if idx:
+            lo = np.array([mx[i][0] for i in idx], dtype=np.float32)
+            hi = np.array([mx[i][1] for i in idx], dtype=np.float32)
+            out[idx] = np.maximum(-lo, hi)
+        self.max_served += 1
         return out
 
     def close(self) -> None:

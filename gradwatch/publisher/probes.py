@@ -273,7 +273,9 @@ class GradProbe:
                     lean.snap_wn, self._snap_step, self._snap_active = wn, step, True
                 return
         elif parts.host:
-            parts.put("gmax", self._maxabs_vec([p.grad for p in self.params]))
+            grads = [p.grad for p in self.params]
+            mx = self.prefetch.maxabs(grads) if self.prefetch is not None and all(g is not None for g in grads) else None
+            parts.put("gmax", mx if mx is not None else self._maxabs_vec(grads))
         got = self.overlap.take("weights", step) if self.overlap is not None and parts.host else None
         if got is None:
             if self.overlap is not None:
@@ -318,6 +320,8 @@ class GradProbe:
         else the weights of the next boundary if it is a detail step, go to the overlap worker. Never both:
         the next snapshot would be copied over one the boundary may still have to settle itself (consecutive
         detail steps -- the first ones, ``detail_every=1`` -- keep their weights on the boundary)."""
+        if self.prefetch is not None:
+            self.prefetch.want_max = next_detail  # the next backward's hooks also take the max-abs
         ov = self.overlap
         if ov is None or ov.off or self.branchless or ov.busy:
             return
