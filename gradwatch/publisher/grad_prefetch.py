@@ -5,7 +5,8 @@ the gradients -- ``_foreach_norm`` over 33 MB -- is ~1.2 ms of the boundary, mor
 loop's whole cost, and the boundary cannot start it before backward has ended. But a parameter's gradient is
 final as soon as autograd has accumulated it, long before backward ends: a post-accumulate-grad hook hands
 each one to the worker thread of :mod:`.overlap`, which measures its norm on the spare core while backward
-goes on with the layers below; the boundary waits for the last few and stacks them.
+goes on with the layers below; the boundary measures the batches meanwhile, then reads the results (a
+detail step's max-abs too, from each gradient's ``aminmax``).
 
 Exactly the same numbers or none: the worker calls the very ``torch._foreach_norm`` the boundary would (on
 CPU its per-tensor kernel: the same bits for a tensor alone as in a list), and a norm is used only if the
@@ -48,12 +49,13 @@ class GradPrefetch:
         self.ov = overlap
         self.n = len(params)
         self._kw: dict[str, Any] = {} if f32 else {"dtype": torch.float32}  # as GradProbe._norm_vec
-        #: per parameter: (the gradient measured, its version then, its float32 norm as a float), by the worker;
-        #: a weak reference: a gradient dropped by ``zero_grad()`` before any boundary read it is not kept alive
+        #: per parameter, by the worker: (the gradient measured, its version then, its float32 norm as a float,
+        #: its (min, max) or None); a weak reference: a gradient dropped by ``zero_grad()`` is not kept alive
         self._got: list[tuple[Any, ...] | None] = [None] * self.n
-        #: the next boundary is a detail step: the worker also takes each gradient's min and max (its max-abs)
+        #: the next boundary is a detail step: the worker also takes each gradient's min and max (its max-abs).
+        #: Set by the optimizer's step post-hook; without an optimizer it stays on (work for the spare core only)
         self.want_max = True
-        self._max: list[tuple[float, float] | None] | None = None  # this boundary's, for details()
+        self._max: list[tuple[Any, ...] | None] | None = None  # this boundary's checked records, for details()
         self._out: tuple[torch.Tensor, Any] | None = None  # the boundary's vector and its numpy view
         self._posted = 0  # hooks that handed a gradient over (the training thread counts)
         self._measured = 0  # of those, the ones the worker is done with (the worker counts)
@@ -102,11 +104,11 @@ class GradPrefetch:
             return None
         vals: list[Any] = []
         redo: list[int] = []
-        mx: list[tuple[float, float] | None] = []
+        mx: list[tuple[Any, ...] | None] = []
         for i, (g, r) in enumerate(zip(grads, got)):
             if r is not None and r[0]() is g and r[1] == g._version:
                 vals.append(r[2])
-                mx.append(r[3])
+                mx.append(r)
             else:
                 vals.append(None)
                 mx.append(None)
@@ -129,12 +131,14 @@ class GradPrefetch:
         if mx is None or len(mx) != len(grads):
             return None
         idx = [i for i, g in enumerate(grads) if g.numel()]
-        if any(mx[i] is None for i in idx):
-            return None
+        for i in idx:  # checked again: nothing may have written a gradient since norms()
+            r = mx[i]
+            if r is None or r[3] is None or r[0]() is not grads[i] or r[1] != grads[i]._version:
+                return None
         out = np.zeros(len(grads), dtype=np.float32)
         if idx:
-            lo = np.array([mx[i][0] for i in idx], dtype=np.float32)
-            hi = np.array([mx[i][1] for i in idx], dtype=np.float32)
+            lo = np.array([mx[i][3][0] for i in idx], dtype=np.float32)
+            hi = np.array([mx[i][3][1] for i in idx], dtype=np.float32)
             out[idx] = np.maximum(-lo, hi)
         self.max_served += 1
         return out
