@@ -107,6 +107,8 @@ class Collector:
         detail = is_detail(self.published, self.detail_every)
         clip = is_clip(self.published, self.detail_every)
         self.published += 1
+        if probe.prefetch is not None:  # the next backward's hooks also take the max-abs for a detail step
+            probe.prefetch.want_max = is_detail(self.published, self.detail_every)
         settle, self._raw_snap = self._raw_snap, False  # a raw detail step's snapshot: settled at this step
         if self.raw is not None and (not detail or self.every == 1) and \
                 raw_boundary(self, step, loss, inputs, targets, detail, settle, explicit, clip):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from functools import partial
 from weakref import ref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -42,20 +42,26 @@ def _distributed() -> bool:
         return True
 
 
+def _current(r: tuple[Any, ...] | None, g: Any) -> bool:
+    """The worker's record is of this very gradient, unwritten since."""
+    return r is not None and r[0]() is g and r[1] == g._version
+
+
 class GradPrefetch:
     """Post-accumulate-grad hooks on every parameter and the norms the worker measured from them."""
 
-    def __init__(self, overlap: Overlap, params: list[torch.nn.Parameter], f32: bool) -> None:
+    def __init__(self, overlap: Overlap, params: list[torch.nn.Parameter],
+                 l2_norms: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
         self.ov = overlap
         self.n = len(params)
-        self._kw: dict[str, Any] = {} if f32 else {"dtype": torch.float32}  # as GradProbe._norm_vec
+        self._l2 = l2_norms  # GradProbe.l2_norms: the boundary's own call, so the same bits
         #: per parameter, by the worker: (the gradient measured, its version then, its float32 norm as a float,
         #: its (min, max) or None); a weak reference: a gradient dropped by ``zero_grad()`` is not kept alive
         self._got: list[tuple[Any, ...] | None] = [None] * self.n
-        #: the next boundary is a detail step: the worker also takes each gradient's min and max (its max-abs).
-        #: Set by the optimizer's step post-hook; without an optimizer it stays on (work for the spare core only)
+        #: the next boundary is a detail step: the worker also takes each gradient's min and max (its max-abs);
+        #: set by every boundary (Collector.boundary)
         self.want_max = True
-        self._max: list[tuple[Any, ...] | None] | None = None  # this boundary's checked records, for details()
+        self._taken: list[tuple[Any, ...] | None] | None = None  # the records norms() took, for minmax()
         self._out: tuple[torch.Tensor, Any] | None = None  # the boundary's vector and its numpy view
         self._posted = 0  # hooks that handed a gradient over (the training thread counts)
         self._measured = 0  # of those, the ones the worker is done with (the worker counts)
@@ -80,7 +86,7 @@ class GradPrefetch:
         """On the worker: skipped when the gradient moved on since its hook (a later micro-batch posts it again).
         The max-abs as GradProbe._maxabs_vec takes it: one ``aminmax`` per non-empty tensor."""
         if g._version == version:
-            norm = torch._foreach_norm([g], 2.0, **self._kw)[0].item()
+            norm = self._l2([g])[0].item()
             mm = None
             if want_max and g.numel():
                 lo, hi = torch.aminmax(g)
@@ -99,23 +105,19 @@ class GradPrefetch:
         # the worker is usually done by now; waking it for a flush would cost more (~0.1 ms) than the check
         flushed = self._measured == self._posted or self.ov.flush()
         got, self._got = self._got, [None] * self.n
-        self._max = None
+        self._taken = got if flushed else None
         if not flushed:
             return None
         vals: list[Any] = []
         redo: list[int] = []
-        mx: list[tuple[Any, ...] | None] = []
         for i, (g, r) in enumerate(zip(grads, got)):
-            if r is not None and r[0]() is g and r[1] == g._version:
+            if _current(r, g):
                 vals.append(r[2])
-                mx.append(r)
             else:
                 vals.append(None)
-                mx.append(None)
                 redo.append(i)
-        self._max = mx
         if redo:
-            for i, v in zip(redo, torch.stack(torch._foreach_norm([grads[i] for i in redo], 2.0, **self._kw)).tolist()):
+            for i, v in zip(redo, torch.stack(self._l2([grads[i] for i in redo])).tolist()):
                 vals[i] = v
             self.redone += len(redo)
         self.served += self.n - len(redo)
@@ -124,24 +126,18 @@ class GradPrefetch:
         self._out[1][:] = vals  # float32 values held as floats: exact both ways (no stack of 0-d tensors)
         return out
 
-    def maxabs(self, grads: list[torch.Tensor]) -> np.ndarray | None:
-        """At a detail boundary, after :meth:`norms`: every gradient's max-abs from the worker's min and max,
-        as GradProbe._maxabs_vec computes it (NaN iff a NaN); None unless the worker measured every one."""
-        mx, self._max = self._max, None
-        if mx is None or len(mx) != len(grads):
+    def minmax(self, grads: list[Any], idx: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """At a detail boundary (GradProbe._maxabs_vec), after :meth:`norms`: the float32 min and max of the
+        gradients ``idx``, or None unless the worker measured every one of them as they are now."""
+        taken, self._taken = self._taken, None
+        if taken is None or len(taken) != len(grads):
             return None
-        idx = [i for i, g in enumerate(grads) if g.numel()]
-        for i in idx:  # checked again: nothing may have written a gradient since norms()
-            r = mx[i]
-            if r is None or r[3] is None or r[0]() is not grads[i] or r[1] != grads[i]._version:
-                return None
-        out = np.zeros(len(grads), dtype=np.float32)
-        if idx:
-            lo = np.array([mx[i][3][0] for i in idx], dtype=np.float32)
-            hi = np.array([mx[i][3][1] for i in idx], dtype=np.float32)
-            out[idx] = np.maximum(-lo, hi)
+        recs = [taken[i] for i in idx]
+        if not all(_current(r, grads[i]) and r[3] is not None for r, i in zip(recs, idx)):
+            return None
         self.max_served += 1
-        return out
+        return (np.array([r[3][0] for r in recs], dtype=np.float32),
+                np.array([r[3][1] for r in recs], dtype=np.float32))
 
     def close(self) -> None:
         """Remove the hooks (gw.close(), distributed training started); what the worker holds is dropped."""

@@ -96,7 +96,7 @@ class GradProbe:
         #: A big CPU model's weight work, run between optimizer.step() and the boundary (:mod:`.overlap`).
         self.overlap = Overlap(params) if not self._lean.ok and overlap_wanted(params, self.cuda) else None
         #: ... and its gradient norms, measured during backward (:mod:`.grad_prefetch`)
-        self.prefetch = GradPrefetch(self.overlap, params, self._f32) \
+        self.prefetch = GradPrefetch(self.overlap, params, self.l2_norms) \
             if self.overlap is not None and self._uniform else None
 
     def _zero(self, device: torch.device) -> torch.Tensor:
@@ -122,15 +122,17 @@ class GradProbe:
                 out[i] = v if dev == self.device else v.to(self.device, non_blocking=True)
         return out
 
+    def l2_norms(self, tensors: list[Any]) -> list[torch.Tensor]:
+        """Per-tensor L2 norms of one device and dtype (fp16/bf16 accumulate in fp32): the call the boundary
+        and the gradient prefetch (:mod:`.grad_prefetch`) both make, so both give the same bits."""
+        return torch._foreach_norm(tensors, 2.0) if self._f32 else torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+
     def _norm_vec(self, tensors: list[Any], ord: float, complete: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         """Per-tensor norms as one float32 vector in parameter order (0 where a tensor is missing)."""
         if not self.n:
             return torch.zeros(0, device=self.device)
         if complete and self._uniform:
-            if ord == 2 and not self._f32:
-                norms = torch._foreach_norm(tensors, ord, dtype=torch.float32)  # fp16/bf16: accumulate in fp32
-            else:
-                norms = torch._foreach_norm(tensors, ord)
+            norms = self.l2_norms(tensors) if ord == 2 else torch._foreach_norm(tensors, ord)
             if out is not None and norms[0].dtype == torch.float32:
                 return torch.stack(norms, out=out)
             return torch.stack(norms).float()
@@ -273,9 +275,7 @@ class GradProbe:
                     lean.snap_wn, self._snap_step, self._snap_active = wn, step, True
                 return
         elif parts.host:
-            grads = [p.grad for p in self.params]
-            mx = self.prefetch.maxabs(grads) if self.prefetch is not None and all(g is not None for g in grads) else None
-            parts.put("gmax", mx if mx is not None else self._maxabs_vec(grads))
+            parts.put("gmax", self._maxabs_vec([p.grad for p in self.params]))
         got = self.overlap.take("weights", step) if self.overlap is not None and parts.host else None
         if got is None:
             if self.overlap is not None:
@@ -320,8 +320,6 @@ class GradProbe:
         else the weights of the next boundary if it is a detail step, go to the overlap worker. Never both:
         the next snapshot would be copied over one the boundary may still have to settle itself (consecutive
         detail steps -- the first ones, ``detail_every=1`` -- keep their weights on the boundary)."""
-        if self.prefetch is not None:
-            self.prefetch.want_max = next_detail  # the next backward's hooks also take the max-abs
         ov = self.overlap
         if ov is None or ov.off or self.branchless or ov.busy:
             return
@@ -350,11 +348,15 @@ class GradProbe:
         idx = [i for i, g in enumerate(grads) if g is not None and g.numel()]
         if not idx:
             return out
-        mm = [torch.aminmax(grads[i]) for i in idx]
-        if self._uniform:
-            lo, hi = (torch.stack([m[k] for m in mm]).float().cpu().numpy() for k in (0, 1))
-        else:  # several devices or dtypes: each pair brought to the main device first
-            lo, hi = (torch.stack([m[k].float().to(self.device) for m in mm]).cpu().numpy() for k in (0, 1))
+        pre = self.prefetch.minmax(grads, idx) if self.prefetch is not None else None
+        if pre is not None:  # measured during backward (:mod:`.grad_prefetch`)
+            lo, hi = pre
+        else:
+            mm = [torch.aminmax(grads[i]) for i in idx]
+            if self._uniform:
+                lo, hi = (torch.stack([m[k] for m in mm]).float().cpu().numpy() for k in (0, 1))
+            else:  # several devices or dtypes: each pair brought to the main device first
+                lo, hi = (torch.stack([m[k].float().to(self.device) for m in mm]).cpu().numpy() for k in (0, 1))
         out[idx] = np.maximum(-lo, hi)  # numpy's maximum propagates NaN
         return out
 
