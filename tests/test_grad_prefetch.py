@@ -90,6 +90,36 @@ def test_a_gradient_changed_after_its_hook_is_measured_at_the_boundary(runtime: 
         or how == "clip" and pf.max_served == 0
 
 
+@pytest.mark.parametrize(("every", "seed"), [(3, 6), (2, 7)])
+def test_with_every_n_only_the_backward_before_a_published_step_posts(runtime: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    every: int, seed: int) -> None:
+    """An unpublished step needs no norms: its backward's hooks leave the spare core (and the memory bus) alone,
+    and the published steps still get every norm from the worker, the same as measured at the boundary."""
+    monkeypatch.setenv("GRADWATCH_OVERLAP", "1")
+    model = _model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, every=every)
+    pf = gw._probe.prefetch  # noqa: SLF001
+    client = gradwatch.connect(gw.run_id)
+    g = torch.Generator().manual_seed(seed)
+    posted = []
+    for k in range(4 * every):
+        x = torch.randn(8, 256, generator=g)
+        before = pf._posted  # noqa: SLF001
+        (model(x)[:, :32] - x[:, :32]).square().mean().backward()
+        posted.append(pf._posted - before)  # noqa: SLF001
+        gw.step(inputs=x)
+        opt.step()
+        opt.zero_grad()
+    assert posted == [6 if k % every == 0 else 0 for k in range(4 * every)]
+    got = steps_of(client, 4)
+    gw.close()
+    client.close()
+    assert sorted(got) == [0, every, 2 * every, 3 * every]
+    assert pf.served == 4 * 6 and pf.redone == 0
+    assert all(s.grad_norm is not None and s.total > 0 for s in got.values())
+
+
 def test_a_failing_worker_leaves_the_boundary_measuring(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gradwatch.publisher.grad_prefetch import GradPrefetch
 

@@ -98,6 +98,8 @@ class Collector:
         step = self.step
         self.step += 1
         probe = self.probe
+        if probe.prefetch is not None:  # the next backward's hooks post only for a step that is published
+            probe.prefetch.wanted = self.step % self.every == 0
         probe.settle()
         if step % self.every:
             self._watch_unpublished(step, loss, inputs, targets)

@@ -61,6 +61,9 @@ class GradPrefetch:
         #: the next boundary is a detail step: the worker also takes each gradient's min and max (its max-abs);
         #: set by every boundary (Collector.boundary)
         self.want_max = True
+        #: the next boundary publishes (``every``): only then is a norm worth the spare core's read of the
+        #: gradients; set by every boundary (Collector.boundary)
+        self.wanted = True
         self._taken: list[tuple[Any, ...] | None] | None = None  # the records norms() took, for minmax()
         self._out: tuple[torch.Tensor, Any] | None = None  # the boundary's vector and its numpy view
         self._posted = 0  # hooks that handed a gradient over (the training thread counts)
@@ -77,7 +80,7 @@ class GradPrefetch:
         """In backward, on the training thread: never raises (it would surface in ``loss.backward()``)."""
         try:
             g = p.grad
-            if g is not None and not self.off and self.ov.post((self._measure, i, g, g._version, self.want_max)):
+            if self.wanted and g is not None and not self.off and self.ov.post((self._measure, i, g, g._version, self.want_max)):
                 self._posted += 1
         except Exception:  # noqa: BLE001
             pass
