@@ -22,14 +22,14 @@ torch.set_num_threads(1)
 
 def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch, *, loss_kind: str = "tensor",
            sched: bool = False, targets: bool = True, log_every: int = 0, clip: float | None = None,
-           conv: bool = False, nan_at: int | None = None) -> tuple[dict[int, Any], Any]:
+           conv: bool = False, nan_at: int | None = None, detail_every: int = 5) -> tuple[dict[int, Any], Any]:
     """Train ``steps`` steps with the steady step on or off; every Step the viewer decodes, and the
     watcher's counters (steady steps served, raw steps)."""
     monkeypatch.setenv("GRADWATCH_STEADY", "1" if steady else "0")
     model = small_convnet(seed, 3) if conv else small_mlp(seed, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)) if sched else None
-    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=5)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=detail_every)
     assert (gw._steady is not None) is steady  # noqa: SLF001
     client = gradwatch.connect(gw.run_id)
     g = torch.Generator().manual_seed(seed)
@@ -91,6 +91,27 @@ def test_steady_steps_publish_the_same_steps_as_the_general_path(runtime: Path, 
             # weights: the step after it settles that one, on the general path too
             general |= user | {k + 1 for k in user if k % 5 == 0}
         assert c_on["steady"] == steps - len(general), (c_on, sorted(general))
+
+
+@pytest.mark.parametrize(("seed", "detail_every"), [(6, 1), (7, 2), (8, 3), (9, 7)])
+def test_the_steady_step_keeps_the_detail_and_clip_cadence_of_any_detail_every(
+        runtime: Path, monkeypatch: pytest.MonkeyPatch, seed: int, detail_every: int) -> None:
+    """The steady step tests the detail and clip cadence inline (trouble.is_detail / is_clip, without the
+    calls): with any ``detail_every`` the same steps carry weight norms, update ratios and clipped totals
+    as on the general path."""
+    steps = 24
+    (got, c_on), (ref, _) = (_train(seed, s, steps, monkeypatch, clip=0.5, detail_every=detail_every,
+                                    sched=True) for s in (True, False))
+    assert sorted(got) == sorted(ref) == list(range(steps))
+    assert c_on["steady"] > 0
+    detail = [k for k in range(steps) if got[k].weight_norm is not None]
+    assert detail == [k for k in range(steps) if ref[k].weight_norm is not None]
+    assert detail == [k for k in range(steps) if k < 3 or k % detail_every == 0]
+    clipped = [k for k in range(steps) if got[k].clip_step is not None]
+    assert clipped == [k for k in range(steps) if ref[k].clip_step is not None] and clipped
+    for k in range(steps):
+        assert_same_measurements(got[k], ref[k], 1e-6)
+        assert got[k].data == ref[k].data
 
 
 def test_a_batch_too_big_for_the_slot_gets_the_same_statistics_on_the_steady_step(

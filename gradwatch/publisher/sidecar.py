@@ -28,13 +28,12 @@ import numpy as np
 
 from gradwatch import protocol, transport
 from gradwatch.procs import proc_stat
+from gradwatch.publisher.poll_pace import POLL_S, PollPace
 from gradwatch.publisher.handoff import ALERT, CONN, COUNTERS, EVENT, RAW, STATUS, STOP, WORK, pack, unpack
 from gradwatch.publisher.ring import Ring
 from gradwatch.publisher.slots import W_ONLY, SlotReader, SlotSpec, decode_raw
 from gradwatch.publisher.sender import Sender, SenderConfig
 
-#: The ring is read this often; steps reach the socket within about this plus the sender's drain.
-POLL_S = 0.01
 #: The sidecar reports its counters to the trainer this often.
 STATUS_S = 0.25
 #: After the trainer's stop, what the ring still holds is sent for at most this long; the rest is dropped
@@ -72,6 +71,8 @@ class Sidecar:
         self.stop_deadline: float | None = None
         self.detached: float | None = None  # when the trainer's close() left without waiting (see run)
         self.dropped_at_stop = 0
+        self.slot_records = 0  # raw steps reduced from a slot (they set the pace of the reads)
+        self.pace = PollPace()
         slots = cfg.get("slots")
         self.slots = SlotReader(SlotSpec.from_config(slots), ring.mm, ring.extra_at) if slots else None
 
@@ -121,6 +122,7 @@ class Sidecar:
         except (ValueError, TypeError, IndexError):
             self.bad_records += 1
             return
+        self.slot_records += 1
         if wflags & W_ONLY:
             return  # no step of its own: its update ratio goes with the next one
         self.sender.submit(HostWork(step, ts, None, {}, None, meta, values))
@@ -160,24 +162,27 @@ class Sidecar:
 
     def run(self) -> int:
         sender = self.sender
-        next_status = 0.0
+        next_status = next_wake = 0.0
         room = max(1, sender.cfg.queue_size // 2)
         while True:
             gone = self.trainer_gone()
             # backpressure: take from the ring only what the sender's queue has room for
             free = room - len(sender._queue)
+            slot_records = self.slot_records
             if free > 0:
                 for payload in self.ring.read(limit=free):
                     try:
                         self.dispatch(payload)
                     except Exception:  # noqa: BLE001 - a record we cannot read is counted, never fatal
                         self.bad_records += 1
-                if sender._queue:
-                    sender._wake.set()
             now = time.monotonic()
+            if sender._queue and now >= next_wake:  # frames as before the pace: one per POLL_S at most
+                sender._wake.set()
+                next_wake = now + POLL_S
             if now >= next_status:
                 next_status = now + STATUS_S
-                counters = {**sender.counters, "history": len(sender._history), "history_bytes": sender._history_bytes}
+                counters = {**sender.counters, "history": len(sender._history), "history_bytes": sender._history_bytes,
+                            "poll_us": int(self.pace.interval * 1e6)}
                 self.ring.write_back(pack([STATUS, counters, sender.failed, sender.last_error]))
             if self.detached is not None and self.stop_request is False and now > self.detached + STOP_DRAIN_S:
                 self.stop_request = ("finished", "closed")  # its STOP never came through: end anyway
@@ -214,7 +219,7 @@ class Sidecar:
                     except Exception:  # noqa: BLE001
                         pass
                 return 0
-            time.sleep(POLL_S if not self.ring.pending() else POLL_S / 10)  # a backlog: come back sooner
+            time.sleep(self.pace.after_read(self.slot_records - slot_records, self.ring.pending() > 0))
 
 
 def _read_config() -> dict[str, Any]:

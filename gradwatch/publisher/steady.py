@@ -31,7 +31,7 @@ from gradwatch.publisher.raw import integer_flag
 from gradwatch.publisher.slots import (
     _CLIP, _CLIP_AT, _HEAD, _IN, _IN_INT, _LOSS, _SETTLE, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP,
 )
-from gradwatch.publisher.trouble import FIRST_DETAIL, is_clip, is_detail
+from gradwatch.publisher.trouble import FIRST_DETAIL
 
 if TYPE_CHECKING:
     from gradwatch.publisher.watcher import Watcher
@@ -45,6 +45,8 @@ _dot = torch.dot
 _pack = _HEAD.pack
 _isfinite = math.isfinite
 _sqrt = math.sqrt
+_now = time.time
+_UNSET = object()
 
 
 class SteadyStep:
@@ -61,9 +63,11 @@ class SteadyStep:
         self.params = col.probe.params
         self.armed = False  # also cleared in a forked child, at the fork (watcher._mark_forked)
         self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
-        self._lr_key: list[Any] | None = None
+        self._lr_key: list[Any] = [_UNSET]  # the learning rates packed in _lr_bytes (one per group)
         self._lr_bytes = b""
         self._groups = 0
+        self._every = col.detail_every  # fixed at start-up (recorded in the schema)
+        self._half = col.detail_every // 2  # the clip cadence's offset (trouble.is_clip)
         #: (inputs key, targets key) -> [flags, inputs' count, targets' count, values, per-slot destinations, data]
         self._batches: dict[tuple[Any, Any], list[Any]] = {}
 
@@ -85,13 +89,13 @@ class SteadyStep:
 
     def __call__(self, loss: Any, inputs: Any, targets: Any) -> bool:  # noqa: C901 - one straight line, on purpose
         """The whole boundary of a steady step; False, with nothing moved, when this step is not one."""
-        col, b, w = self.col, self.b, self.w
-        pub = col.published
+        col, b = self.col, self.b
         acts = col.acts  # armed or switched on since (gw.arm_activations, gw.activations, the viewer's A)
         if (col.user or b.loss._n or b.in_pause or acts._request or acts.armed or acts.every or acts.probe.attached
                 or col.clip_due is not None or (b._watching_optimizer and b._events == b._events_at_step)):
             return False  # user scalars, micro-batch losses, activation statistics, accumulation...
-        detail = is_detail(pub, col.detail_every)
+        pub = col.published
+        detail = pub % self._every == 0  # trouble.is_detail: an armed watcher has published >= FIRST_DETAIL
         settle = col._raw_snap  # the sidecar holds the last step's weights: this step's weights settle them
         table = self.table
         got = table.acquire()
@@ -110,11 +114,13 @@ class SteadyStep:
             return False  # an int, a numpy scalar: the general path converts it
         opt = col.optimizer
         if opt is not None:
-            key = [g.get("lr") for g in opt.param_groups]
-            if key != self._lr_key:
-                if not all(type(v) is float for v in key):
-                    return False  # a tensor or an int learning rate
-                self._lr_key, self._lr_bytes, self._groups = key, struct.pack(f"<{len(key)}d", *key), len(key)
+            groups = opt.param_groups
+            if len(groups) != 1 or groups[0].get("lr") != self._lr_key[0]:  # one group: no list to build
+                key = [g.get("lr") for g in groups]
+                if key != self._lr_key:
+                    if not all(type(v) is float for v in key):
+                        return False  # a tensor or an int learning rate
+                    self._lr_key, self._lr_bytes, self._groups = key, struct.pack(f"<{len(key)}d", *key), len(key)
         grads = list(map(_GRAD, self.params))
         g0 = grads[0]
         if g0 is None or g0.dtype not in _EXACT or grads[-1].dtype not in _EXACT:
@@ -165,6 +171,7 @@ class SteadyStep:
         if not finite or col._trouble.check(loss_f, total, False):
             return False  # a trouble step: the ordinary path measures it exactly (check() moved nothing)
         # ---- committed: from here on the step is this one's, as the general path would have left it
+        w = self.w
         with w._lock:
             if b._watching_optimizer:
                 b._events_at_step, b._grad_at_step = b._events, id(g0)
@@ -184,7 +191,7 @@ class SteadyStep:
                     flags |= _LOSS
                 else:
                     loss_f = 0.0
-                payload = _pack(MARK, flags | (_CLIP if clip is not None else 0), self._groups, i, step, time.time(),
+                payload = _pack(MARK, flags | (_CLIP if clip is not None else 0), self._groups, i, step, _now(),
                                 seq, loss_f, n_in, n_t) + self._lr_bytes
                 if clip is not None:
                     payload += _CLIP_AT.pack(clip[0], clip[1][0])
@@ -193,7 +200,7 @@ class SteadyStep:
             if sender.submit_raw(payload):
                 table.commit(i, seq)
                 col._raw_snap = bool(wflags & W_SNAP)
-            if opt is not None and col.measure_clips and is_clip(pub, col.detail_every):
+            if opt is not None and col.measure_clips and pub % self._every == self._half:  # trouble.is_clip
                 col.clip_due = step  # the optimizer hook measures the total after the user's clipping
             col.raw_steps += 1
             acts._next = step + 1
