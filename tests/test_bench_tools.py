@@ -60,3 +60,37 @@ def test_statements_script_rejects_a_bad_target(runtime: Path) -> None:
         r = subprocess.run([PY, str(ROOT / "bench" / "statements.py"), target], cwd=ROOT, env=child_env(runtime),
                            capture_output=True, text=True, timeout=100)
         assert r.returncode == 1 and "statements.py:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_ab_ref_runs_the_committed_package_beside_the_working_tree(runtime: Path, tmp_path: Path) -> None:
+    """bench/ab_ref.py (bench/README.md 1.15): the package at a ref imports as ``gradwatch_ref`` without
+    loading the working tree's ``gradwatch`` (its sidecar too), and both run in one phases.py table."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import ab_ref
+    finally:
+        sys.path.pop(0)
+    ab_ref.extract("HEAD", tmp_path)
+    code = ("import sys; import gradwatch_ref, gradwatch_ref.publisher.watcher, gradwatch_ref.publisher.sidecar, "
+            "gradwatch_ref.tui.app; bad = [m for m in sys.modules if m == 'gradwatch' or m.startswith('gradwatch.')]; "
+            "assert not bad, bad")
+    r = subprocess.run([PY, "-c", code], cwd=tmp_path, env={**child_env(runtime), "PYTHONPATH": str(tmp_path)},
+                       capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert '"-m", "gradwatch_ref.publisher.sidecar"' in (tmp_path / "gradwatch_ref" / "publisher" / "handoff.py").read_text()
+    r = subprocess.run([PY, str(ROOT / "bench" / "ab_ref.py"), "--ref", "HEAD", "--rounds", "2", "--steps", "3",
+                        "--variants", "bare_AA,ref,gradwatch"],
+                       cwd=ROOT, env=child_env(runtime), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()}
+    assert {"bare", "bare_AA", "ref", "gradwatch"} <= rows, r.stdout
+
+
+def test_ab_ref_rejects_an_unknown_ref_in_one_line(runtime: Path) -> None:
+    r = subprocess.run([PY, str(ROOT / "bench" / "ab_ref.py"), "--ref", "no-such-ref-xyz"],
+                       cwd=ROOT, env=child_env(runtime), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 2
+    assert r.stderr.startswith("ab_ref.py: cannot extract gradwatch at 'no-such-ref-xyz'"), r.stderr
+    assert "Traceback" not in r.stderr
