@@ -261,3 +261,36 @@ def test_activation_statistics_armed_between_two_steps_are_taken(runtime: Path,
     assert {11, 12, 13} <= set(with_act) or {10, 11, 12} <= set(with_act), with_act  # the three armed steps
     assert any(25 <= k < 35 for k in with_act), with_act  # the cadence, every 5th step
     assert not any(k > 36 for k in with_act), with_act  # off again
+
+
+def test_learning_rates_follow_param_groups_added_and_removed(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steady step compares one group's learning rate without building a list: when the groups change
+    (one more, then one fewer with the same first rate) every Step still carries the optimizer's rates."""
+    def run(steady: bool) -> dict[int, Any]:
+        monkeypatch.setenv("GRADWATCH_STEADY", "1" if steady else "0")
+        model = small_mlp(11, 3)
+        first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+        opt = torch.optim.SGD(first, lr=0.05)
+        gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=5)
+        client = gradwatch.connect(gw.run_id)
+        g = torch.Generator().manual_seed(11)
+        for k in range(24):
+            if k == 8:
+                opt.add_param_group({"params": rest, "lr": 0.02})
+            if k == 16:
+                opt.param_groups.pop()  # back to one group, the same first rate
+            x, y = torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            gw.step(inputs=x, targets=y)
+            opt.step()
+            model.zero_grad()
+        out = steps_of(client, 24)
+        gw.close()
+        client.close()
+        return out
+
+    got, ref = run(True), run(False)
+    for k in range(24):
+        assert [h["lr"] for h in got[k].opt] == [h["lr"] for h in ref[k].opt] == \
+               ([0.05] if k < 8 or k >= 16 else [0.05, 0.02]), k
+        assert_same_measurements(got[k], ref[k], 1e-6)

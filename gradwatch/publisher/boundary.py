@@ -57,11 +57,8 @@ class Boundaries:
 
     def __init__(self, mark: Callable[[Any, Any, Any], None], live: Callable[[], bool],
                  measure_clip: Callable[[], None], first_grad: Callable[[], Any] = lambda: None,
-                 after_step: Callable[[], None] | None = None, clips: Any = None) -> None:
+                 after_step: Callable[[], None] | None = None) -> None:
         self._mark = mark
-        #: What says whether a clipped total is due (``clips.clip_due``, the collector's): read here so that
-        #: the optimizer hook of an ordinary step makes no call at all (bench/README.md 1.15).
-        self._clips = clips
         self._after_step = after_step  # the optimizer's step post-hook (the overlap worker's cue)
         self._first_grad = first_grad
         self._live = live
@@ -167,8 +164,7 @@ class Boundaries:
             return
         self._events += 1
         if self.explicit:
-            if self._clips is None or self._clips.clip_due is not None:
-                self._measure_clip()  # after the user's clipping, before the update (on the clip cadence)
+            self._measure_clip()  # after the user's clipping, before the update (detail steps only)
             return
         if self._premarked:
             self._premarked = False

@@ -33,8 +33,6 @@ from gradwatch.procs import cpu_ticks
 from gradwatch.publisher import forks
 from gradwatch.publisher.ring import Ring
 
-_monotonic = time.monotonic
-
 # record kinds, trainer -> sidecar
 WORK, EVENT, COUNTERS, STOP, CONN, RAW = 0, 1, 2, 3, 4, 5
 # sidecar -> trainer
@@ -127,14 +125,10 @@ class SidecarSender:
         the sidecar's until released; False when it was not written (then the slot is still ours)."""
         if self.dead_reason is not None or self._stopping:
             return False
-        ring = self._ring
-        with self._lock:  # _write's body: one call less on every steady step
-            ok = ring.write(payload)
-        if not ok:
-            self.dropped += 1
-        if ring.back_pending():  # alerts for pause_on: read at once
+        ok = self._write(payload)
+        if self._ring.back_pending():  # alerts for pause_on: read at once
             self._read_back()
-        if _monotonic() >= self._next_tick:
+        if time.monotonic() >= self._next_tick:
             self._tick()
         return ok
 

@@ -31,7 +31,7 @@ from gradwatch.publisher.raw import integer_flag
 from gradwatch.publisher.slots import (
     _CLIP, _CLIP_AT, _HEAD, _IN, _IN_INT, _LOSS, _SETTLE, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP,
 )
-from gradwatch.publisher.trouble import FIRST_DETAIL
+from gradwatch.publisher.trouble import FIRST_DETAIL, is_clip, is_detail
 
 if TYPE_CHECKING:
     from gradwatch.publisher.watcher import Watcher
@@ -66,8 +66,6 @@ class SteadyStep:
         self._lr_key: list[Any] = [_UNSET]  # the learning rates packed in _lr_bytes (one per group)
         self._lr_bytes = b""
         self._groups = 0
-        self._every = col.detail_every  # fixed at start-up (recorded in the schema)
-        self._half = col.detail_every // 2  # the clip cadence's offset (trouble.is_clip)
         #: (inputs key, targets key) -> [flags, inputs' count, targets' count, values, per-slot destinations, data]
         self._batches: dict[tuple[Any, Any], list[Any]] = {}
 
@@ -95,7 +93,7 @@ class SteadyStep:
                 or col.clip_due is not None or (b._watching_optimizer and b._events == b._events_at_step)):
             return False  # user scalars, micro-batch losses, activation statistics, accumulation...
         pub = col.published
-        detail = pub % self._every == 0  # trouble.is_detail: an armed watcher has published >= FIRST_DETAIL
+        detail = is_detail(pub, col.detail_every)
         settle = col._raw_snap  # the sidecar holds the last step's weights: this step's weights settle them
         table = self.table
         got = table.acquire()
@@ -115,7 +113,7 @@ class SteadyStep:
         opt = col.optimizer
         if opt is not None:
             groups = opt.param_groups
-            if len(groups) != 1 or groups[0].get("lr") != self._lr_key[0]:  # one group: no list to build
+            if len(groups) != 1 or self._groups != 1 or groups[0].get("lr") != self._lr_key[0]:  # one group: no list
                 key = [g.get("lr") for g in groups]
                 if key != self._lr_key:
                     if not all(type(v) is float for v in key):
@@ -200,7 +198,7 @@ class SteadyStep:
             if sender.submit_raw(payload):
                 table.commit(i, seq)
                 col._raw_snap = bool(wflags & W_SNAP)
-            if opt is not None and col.measure_clips and pub % self._every == self._half:  # trouble.is_clip
+            if opt is not None and col.measure_clips and is_clip(pub, col.detail_every):
                 col.clip_due = step  # the optimizer hook measures the total after the user's clipping
             col.raw_steps += 1
             acts._next = step + 1

@@ -108,8 +108,7 @@ class Watcher:
                                     submit=self._submit)
         self._boundaries = Boundaries(self._mark, self._live, self._measure_clip,
                                       first_grad=lambda: next((p.grad for p in params if p.grad is not None), None),
-                                      after_step=self._after_optimizer_step if self._probe.overlap is not None else None,
-                                      clips=self._collector)
+                                      after_step=self._after_optimizer_step if self._probe.overlap is not None else None)
         rank, world = rank_world()
         self.run_id = transport.new_run_id()
         self.name = cfg.name or (Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "python") or "run"
