@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,16 +31,38 @@ def _pip(*args: str, python: str = PY, cwd: Path | None = None) -> subprocess.Co
                           text=True, timeout=480, cwd=cwd)
 
 
-@pytest.fixture(scope="module")
-def viewer_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("wheel")
+def _source(root: Path) -> Path:
     src = root / "src"  # a copy without build outputs or the venv, as a fresh clone would be
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", "dist",
-                                                             "build", "results", ".pytest_cache"))
-    built = _pip("wheel", "--no-deps", "-w", str(root / "dist"), str(src))
+                                                             "build", "results", ".pytest_cache", "*.so"))
+    return src
+
+
+def _wheel(root: Path, src: Path, **env: str) -> Path:
+    built = subprocess.run([PY, "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps", "-w",
+                            str(root / "dist"), str(src)], capture_output=True, text=True, timeout=480,
+                           env={**os.environ, **env})
     if built.returncode != 0:
-        pytest.skip(f"cannot build the wheel here (no package index for hatchling?): {built.stderr.strip()[-300:]}")
+        pytest.skip(f"cannot build the wheel here (no package index for setuptools?): {built.stderr.strip()[-300:]}")
     (wheel,) = (root / "dist").glob("gradwatch-*.whl")
+    return wheel
+
+
+def _names(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as z:
+        return z.namelist()
+
+
+@pytest.fixture(scope="module")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("wheel")
+    return _wheel(root, _source(root))
+
+
+@pytest.fixture(scope="module")
+def viewer_venv(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("venv")
+    wheel = built_wheel
     venv = root / "v"
     subprocess.run([sys.base_prefix + "/bin/python3", "-m", "venv", str(venv)], check=True, timeout=120)
     installed = _pip("install", str(wheel), python=str(venv / "bin" / "python"))
@@ -101,3 +124,30 @@ def test_the_wheel_installs_the_viewer_without_torch_and_it_watches_a_real_train
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
         trainer.kill()
         trainer.wait(10)
+
+
+def test_the_wheel_carries_the_compiled_steady_step(built_wheel: Path) -> None:
+    names = _names(built_wheel)
+    assert any(n.startswith("gradwatch/publisher/_native.") and n.endswith(".so") for n in names), names
+    assert "gradwatch/tui/app.tcss" in names and "gradwatch/py.typed" in names  # the package data too
+    assert not built_wheel.name.endswith("-none-any.whl")  # a platform wheel: it holds compiled code
+
+
+def test_without_a_compiler_the_wheel_still_builds_and_its_trainer_side_copies_instead(
+        tmp_path: Path, runtime: Path) -> None:
+    """The extension is optional (setup.py): no C compiler at install time must not mean no gradwatch."""
+    wheel = _wheel(tmp_path, _source(tmp_path), CC="/bin/false")
+    names = _names(wheel)
+    assert not any("_native." in n and n.endswith(".so") for n in names), names
+    assert "gradwatch/publisher/native.py" in names
+    # that package, unpacked beside this environment's torch: it says why, and its steady step copies
+    (tmp_path / "site").mkdir()
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(tmp_path / "site")
+    code = ("import gradwatch.publisher.native as n, gradwatch; print(n.grad_sumsq is None, n.why_not.split()[0], "
+            "gradwatch.__file__)")
+    env = {**child_env(runtime), "PYTHONPATH": str(tmp_path / "site")}
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    none, why, where = out.stdout.split()
+    assert (none, why) == ("True", "not"), out.stderr
+    assert where.startswith(str(tmp_path / "site"))

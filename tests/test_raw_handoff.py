@@ -20,6 +20,7 @@ import torch
 import gradwatch
 from _fw import assert_same_measurements, small_convnet, small_mlp, steps_of, train_poisoned
 from gradwatch.protocol import Step
+from gradwatch.publisher import native
 from gradwatch.publisher.slots import DATA_MAX, W_SETTLE, SlotReader, SlotSpec, SlotTable, decode_raw, encode_raw
 
 torch.set_num_threads(1)
@@ -84,7 +85,14 @@ def test_raw_steps_decode_to_the_same_steps_as_the_ordinary_path(runtime: Path, 
         assert got[9].weight_nonfinite == {2: 1} and math.isnan(got[9].loss)
 
 
-def test_a_stalled_sidecar_holds_its_slots_and_the_trainer_takes_the_ordinary_path(runtime: Path) -> None:
+@pytest.mark.parametrize("native_on", [False, True])
+def test_a_stalled_sidecar_holds_its_slots_and_the_trainer_takes_the_ordinary_path(
+        runtime: Path, monkeypatch: pytest.MonkeyPatch, native_on: bool) -> None:
+    """Without the compiled pass every raw step needs a slot, and no slot is written twice while the stopped
+    sidecar holds it; with it an ordinary step needs none (its record carries its norms), and only the
+    detail steps and the steps after them wait for slots."""
+    if not native_on:
+        monkeypatch.setattr(native, "grad_sumsq", None)
     model = _mlp(0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
@@ -105,6 +113,7 @@ def test_a_stalled_sidecar_holds_its_slots_and_the_trainer_takes_the_ordinary_pa
     time.sleep(0.3)  # the sidecar has read and released every slot so far
     pid = gw.sender.pid  # type: ignore[union-attr]
     before = gw._collector.raw_steps  # noqa: SLF001
+    native_before = gw._steady.native_steps  # noqa: SLF001
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.perf_counter()
@@ -113,7 +122,12 @@ def test_a_stalled_sidecar_holds_its_slots_and_the_trainer_takes_the_ordinary_pa
     finally:
         os.kill(pid, signal.SIGCONT)
     stalled = gw._collector.raw_steps - before  # noqa: SLF001
-    assert stalled <= raw.spec.k  # no slot is written twice while the sidecar holds it
+    native_steps = gw._steady.native_steps - native_before  # noqa: SLF001
+    if native_on and native.grad_sumsq is not None:
+        assert native_steps >= 3 * raw.spec.k * 0.7  # no slot needed for an ordinary step
+        assert stalled - native_steps <= raw.spec.k
+    else:
+        assert native_steps == 0 and stalled <= raw.spec.k  # no slot is written twice while the sidecar holds it
     assert elapsed < 5.0  # nothing waited for the stopped sidecar
     time.sleep(0.3)
     before = gw._collector.raw_steps  # noqa: SLF001

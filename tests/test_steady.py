@@ -15,17 +15,21 @@ import pytest
 import torch
 
 import gradwatch
+from gradwatch.publisher import native
 from _fw import assert_same_measurements, small_convnet, small_mlp, steps_of
 
 torch.set_num_threads(1)
+_NATIVE = native.grad_sumsq  # None where the extension was not built: the steady step copies into slots
 
 
 def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch, *, loss_kind: str = "tensor",
            sched: bool = False, targets: bool = True, log_every: int = 0, clip: float | None = None,
-           conv: bool = False, nan_at: int | None = None, detail_every: int = 5) -> tuple[dict[int, Any], Any]:
-    """Train ``steps`` steps with the steady step on or off; every Step the viewer decodes, and the
-    watcher's counters (steady steps served, raw steps)."""
+           conv: bool = False, nan_at: int | None = None, detail_every: int = 5,
+           native_on: bool = True) -> tuple[dict[int, Any], Any]:
+    """Train ``steps`` steps with the steady step on or off (and its compiled pass, native.py, on or off);
+    every Step the viewer decodes, and the watcher's counters (steady steps served, native ones, raw steps)."""
     monkeypatch.setenv("GRADWATCH_STEADY", "1" if steady else "0")
+    monkeypatch.setattr(native, "grad_sumsq", _NATIVE if native_on else None)
     model = small_convnet(seed, 3) if conv else small_mlp(seed, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)) if sched else None
@@ -54,21 +58,25 @@ def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch,
             sch.step()
     out = steps_of(client, steps)
     counters = {"steady": gw._steady.served if gw._steady is not None else 0,  # noqa: SLF001
+                "native": gw._steady.native_steps if gw._steady is not None else 0,  # noqa: SLF001
                 "raw": gw._collector.raw_steps}  # noqa: SLF001
     gw.close()
     client.close()
     return out, counters
 
 
-@pytest.mark.parametrize(("seed", "loss_kind", "sched", "targets", "log_every"),
-                         [(0, "tensor", False, True, 0), (1, "float", True, True, 0), (2, "logged", False, False, 0),
-                          (3, "tensor", True, False, 4), (4, "none", False, True, 0)])
+@pytest.mark.parametrize(("seed", "loss_kind", "sched", "targets", "log_every", "native_on"),
+                         [(0, "tensor", False, True, 0, True), (1, "float", True, True, 0, True),
+                          (2, "logged", False, False, 0, True), (3, "tensor", True, False, 4, True),
+                          (4, "none", False, True, 0, True), (0, "tensor", False, True, 0, False),
+                          (3, "tensor", True, False, 4, False)])
 def test_steady_steps_publish_the_same_steps_as_the_general_path(runtime: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  seed: int, loss_kind: str, sched: bool,
-                                                                 targets: bool, log_every: int) -> None:
+                                                                 targets: bool, log_every: int, native_on: bool) -> None:
     steps = 30
     (got, c_on), (ref, c_off) = (_train(seed, s, steps, monkeypatch, loss_kind=loss_kind, sched=sched,
-                                        targets=targets, log_every=log_every) for s in (True, False))
+                                        targets=targets, log_every=log_every, native_on=native_on)
+                                 for s in (True, False))
     assert sorted(got) == sorted(ref) == list(range(steps))
     assert c_off["steady"] == 0
     assert c_on["raw"] == c_off["raw"] >= steps * 2 // 3  # the same steps went through the raw hand-off either way
@@ -91,6 +99,11 @@ def test_steady_steps_publish_the_same_steps_as_the_general_path(runtime: Path, 
             # weights: the step after it settles that one, on the general path too
             general |= user | {k + 1 for k in user if k % 5 == 0}
         assert c_on["steady"] == steps - len(general), (c_on, sorted(general))
+        # the compiled pass takes every steady step but a detail step and the one after it (their weights
+        # travel in a slot); without it (no compiler at install, GRADWATCH_NATIVE=0) the slot takes them all
+        detail = {k for k in range(steps) if k < 3 or k % 5 == 0}
+        copied = (detail | {k + 1 for k in detail}) - general
+        assert c_on["native"] == (c_on["steady"] - len(copied) if native_on and _NATIVE else 0), c_on
 
 
 @pytest.mark.parametrize(("seed", "detail_every"), [(6, 1), (7, 2), (8, 3), (9, 7)])

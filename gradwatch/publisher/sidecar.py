@@ -118,11 +118,15 @@ class Sidecar:
             self.bad_records += 1
             return
         try:
-            self.slots.reduce(slot, seq, data, meta, values, step, wflags)
+            if slot < 0:  # the native steady step: everything is in the record (slots._NORMS)
+                self.slots.inline(values)
+            else:
+                self.slots.reduce(slot, seq, data, meta, values, step, wflags)
         except (ValueError, TypeError, IndexError):
             self.bad_records += 1
             return
-        self.slot_records += 1
+        if slot >= 0:
+            self.slot_records += 1
         if wflags & W_ONLY:
             return  # no step of its own: its update ratio goes with the next one
         self.sender.submit(HostWork(step, ts, None, {}, None, meta, values))

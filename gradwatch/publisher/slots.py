@@ -163,6 +163,14 @@ class SlotReader:
         if ur is not None and "ur_step" not in meta:
             values["ur"], meta["ur_step"] = ur
 
+    def inline(self, values: dict[str, bytes]) -> None:
+        """A step that travelled whole in its record (``_NORMS``: no slot, no weights): ValueError when its
+        norms are not one per tensor; else the snapshot state moves as :meth:`reduce` moves it for a plain step."""
+        if len(values.get("gn", b"")) != 4 * len(self.spec.sizes):
+            raise ValueError("a record's norms for another model")
+        self.pending_ur = None
+        self._snap_wn = None
+
     def reduce(self, i: int, seq: int, data: list[Any], meta: dict[str, Any], values: dict[str, bytes],
                step: int = 0, wflags: int = 0) -> None:
         """The step's gradient norms and exact non-finite counts into ``values``/``meta``, its batch
@@ -228,8 +236,11 @@ class SlotReader:
 #: kinds of record apart by it (everything else in the ring is msgpack).
 MARK = 0xC1
 _HEAD = struct.Struct("<BBHIqdQdII")  # mark, flags, groups, slot, step, ts, seq, loss, inputs, targets
-#: _SETTLE: the record's wflags are W_SETTLE; _CLIP: (clip step, clipped total) follow the learning rates
-_LOSS, _IN, _TGT, _IN_INT, _TGT_INT, _SETTLE, _CLIP = 1, 2, 4, 8, 16, 32, 64
+#: _SETTLE: the record's wflags are W_SETTLE; _CLIP: (clip step, clipped total) follow the learning rates;
+#: _NORMS: no slot, the step travels whole in the record (the native steady step, :mod:`.native`): the slot
+#: field holds the number of tensors, then per tensor the float64 sum of squares of its gradient, then
+#: the batches' values as float32 (every one of them finite, or the trainer would have sent no such record)
+_LOSS, _IN, _TGT, _IN_INT, _TGT_INT, _SETTLE, _CLIP, _NORMS = 1, 2, 4, 8, 16, 32, 64, 128
 _CLIP_AT = struct.Struct("<qd")
 
 
@@ -250,15 +261,22 @@ def encode_raw(slot: int, seq: int, step: int, ts: float, loss: float | None, lr
 
 def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], list[list[Any]], int, dict[str, bytes]]:
     """(step, ts, slot, seq, meta, data, wflags, values) of :func:`encode_raw`'s record, or of the steady
-    step's, which may set ``_SETTLE`` and ``_CLIP``; ValueError when malformed."""
+    step's, which may set ``_SETTLE``, ``_CLIP`` and ``_NORMS``; ValueError when malformed. A ``_NORMS``
+    record has no slot (-1): its gradient norms, non-finite counts (none) and batch statistics are in
+    ``values``/``meta`` already."""
     values: dict[str, bytes] = {}
     meta: dict[str, Any] = {}
     try:
         _, flags, groups, slot, step, ts, seq, loss, n_in, n_t = _HEAD.unpack_from(payload, 0)
         lrs = struct.unpack_from(f"<{groups}d", payload, _HEAD.size) if groups else ()
+        at = _HEAD.size + 8 * groups
         if flags & _CLIP:
-            clip_step, clip = _CLIP_AT.unpack_from(payload, _HEAD.size + 8 * groups)
+            clip_step, clip = _CLIP_AT.unpack_from(payload, at)
             meta["clip_step"], values["clip"] = clip_step, struct.pack("<f", clip)
+            at += _CLIP_AT.size
+        if flags & _NORMS:
+            _inline(payload, at, slot, flags, n_in, n_t, meta, values)
+            slot = -1
     except struct.error as exc:
         raise ValueError(f"malformed raw record: {exc}") from None
     if flags & _LOSS:
@@ -271,3 +289,29 @@ def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], li
     if flags & _TGT:
         data.append(["targets", n_t, 1 if flags & _TGT_INT else 0])
     return step, ts, slot, seq, meta, data, W_SETTLE if flags & _SETTLE else 0, values
+
+
+def _inline(payload: bytes, at: int, tensors: int, flags: int, n_in: int, n_t: int, meta: dict[str, Any],
+            values: dict[str, bytes]) -> None:
+    """A ``_NORMS`` record's step from its own bytes: the norms (float32 of the float64 root, inf beyond
+    float32's range, as :func:`.segments.exact_nonfinite` reports an overflow) and the batch statistics
+    (the functions the slot's batches go through)."""
+    counts = [n for n, f in ((n_in, _IN), (n_t, _TGT)) if flags & f]
+    if not 0 < tensors <= RAW_MAX or any(not 0 < n <= DATA_MAX for n in counts):
+        raise ValueError("malformed raw record: sizes out of range")
+    if len(payload) != at + 8 * tensors + 4 * sum(counts):
+        raise ValueError(f"malformed raw record: {len(payload)} bytes for {tensors} tensors and {sum(counts)} values")
+    sums = np.frombuffer(payload, dtype=np.float64, count=tensors, offset=at)
+    if not np.isfinite(sums).all() or (sums < 0).any():
+        raise ValueError("malformed raw record: a sum of squares that is negative or not finite")
+    with np.errstate(over="ignore"):
+        values["gn"] = np.sqrt(sums).astype(np.float32).tobytes()  # beyond float32: inf, no warning
+    meta["nonfinite"] = {}
+    vals = np.frombuffer(payload, dtype=np.float32, offset=at + 8 * tensors)
+    pos = 0
+    for name, count, integer in (("inputs", n_in, flags & _IN_INT), ("targets", n_t, flags & _TGT_INT)):
+        if flags & (_IN if name == "inputs" else _TGT):
+            part = vals[pos:pos + count].tolist()
+            pos += count
+            st = list_stats(part, float(bool(integer)), float("nan")) or masked_stats(part, float(bool(integer)))
+            values[f"data:{name}"] = struct.pack(f"<{len(st)}f", *st)

@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradwatch.publisher import native
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
 from gradwatch.publisher.parts import Parts
 from gradwatch.publisher.raw import integer_flag
 from gradwatch.publisher.slots import (
-    _CLIP, _CLIP_AT, _HEAD, _IN, _IN_INT, _LOSS, _SETTLE, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP,
+    _CLIP, _CLIP_AT, _HEAD, _IN, _IN_INT, _LOSS, _NORMS, _SETTLE, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP,
 )
 from gradwatch.publisher.trouble import FIRST_DETAIL, is_clip, is_detail
 
@@ -61,12 +62,18 @@ class SteadyStep:
         self.raw = col.raw
         self.table = col.raw.table
         self.params = col.probe.params
+        self.sizes = self.table.spec.sizes
+        self._ntensors = len(self.sizes)  # a _NORMS record's slot field: how many sums follow
+        #: the compiled pass over the gradients (:mod:`.native`), None to copy into a slot
+        self.native = native.grad_sumsq
+        self.native_steps = 0  # steps whose norms travelled in the record (the viewer's ``native_steps``)
         self.armed = False  # also cleared in a forked child, at the fork (watcher._mark_forked)
         self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
         self._lr_key: list[Any] = [_UNSET]  # the learning rates packed in _lr_bytes (one per group)
         self._lr_bytes = b""
         self._groups = 0
-        #: (inputs key, targets key) -> [flags, inputs' count, targets' count, values, per-slot destinations, data]
+        #: (inputs key, targets key) -> [flags, inputs' count, targets' count, values, per-slot destinations, data,
+        #: which travel raw, which get statistics here, the native call's record buffer or None]
         self._batches: dict[tuple[Any, Any], list[Any]] = {}
 
     # ------------------------------------------------------------------ what only a boundary changes
@@ -95,11 +102,6 @@ class SteadyStep:
         pub = col.published
         detail = is_detail(pub, col.detail_every)
         settle = col._raw_snap  # the sidecar holds the last step's weights: this step's weights settle them
-        table = self.table
-        got = table.acquire()
-        if got is None or (detail and col.probe.update_ratio and not table.next_free()):
-            return False  # (a detail step keeps a second slot free for its settle)
-        i, seq = got
         if loss is None:
             loss_f = None
         elif isinstance(loss, _Tensor):
@@ -126,7 +128,7 @@ class SteadyStep:
         entry = self._batch(inputs, targets)
         if entry is None:
             return False
-        flags, n_in, n_t, nvals, dst, data, pick, stats = entry
+        flags, n_in, n_t, nvals, dst, data, pick, stats, out = entry
         values: dict[str, bytes] | None = None
         if stats:  # batches too big for the slot: their statistics here, exactly as raw_boundary's
             values = {}
@@ -143,28 +145,44 @@ class SteadyStep:
             hyper, tensors = col.hyper(detail)
             if tensors:
                 return False  # a tensor hyper-parameter travels through the ordinary path's buffer
-        j = i + i + weights  # per slot: without, with the weights
-        views = dst[j]
-        if views is None:
-            views = dst[j] = self._destinations(i, inputs if pick & 1 else None, targets if pick & 2 else None,
-                                                weights)
-        src = grads + self.params if weights else grads
-        if pick:
-            src = src + ([inputs] if pick == 1 else [targets] if pick == 2 else [inputs, targets])
-        on = _grad_on()
-        if on:
-            _set_grad(False)  # the copy must not be recorded (create_graph gradients, batches that require grad)
-        try:
-            _copy(views, src)  # a None gradient or a new dtype raises: the general path sorts it out
-        except Exception:  # noqa: BLE001
-            return False
-        finally:
+        clip = col._clip  # (set on this thread only: by the optimizer hook before this boundary)
+        sq = -1.0
+        fn = self.native
+        if out is not None and fn is not None and not weights and (clip is None or type(clip[1]) is tuple):
+            # one C pass over the gradients where they lie: no slot (native.py; -1: not for this step)
+            sq = fn(grads, self.sizes, () if not pick else (inputs,) if pick == 1 else (targets,) if pick == 2
+                    else (inputs, targets), out)
+        table = self.table
+        if sq >= 0 or sq != sq:  # native: a total, or NaN/inf for something non-finite
+            i = seq = -1
+            finite = True
+        else:
+            got = table.acquire()
+            if got is None or (detail and col.probe.update_ratio and not table.next_free()):
+                return False  # (a detail step keeps a second slot free for its settle)
+            i, seq = got
+            j = i + i + weights  # per slot: without, with the weights
+            views = dst[j]
+            if views is None:
+                views = dst[j] = self._destinations(i, inputs if pick & 1 else None, targets if pick & 2 else None,
+                                                    weights)
+            src = grads + self.params if weights else grads
+            if pick:
+                src = src + ([inputs] if pick == 1 else [targets] if pick == 2 else [inputs, targets])
+            on = _grad_on()
             if on:
-                _set_grad(True)
-        raw = self.raw
-        g = raw._gflat[i]
-        sq = _dot(g, g).item()
-        finite = not nvals or _isfinite(sum(raw._data_mv[i][:nvals]))
+                _set_grad(False)  # the copy must not be recorded (create_graph gradients, batches that require grad)
+            try:
+                _copy(views, src)  # a None gradient or a new dtype raises: the general path sorts it out
+            except Exception:  # noqa: BLE001
+                return False
+            finally:
+                if on:
+                    _set_grad(True)
+            raw = self.raw
+            g = raw._gflat[i]
+            sq = _dot(g, g).item()
+            finite = not nvals or _isfinite(sum(raw._data_mv[i][:nvals]))
         total = _sqrt(sq) if sq >= 0 else math.nan
         if not finite or col._trouble.check(loss_f, total, False):
             return False  # a trouble step: the ordinary path measures it exactly (check() moved nothing)
@@ -178,8 +196,20 @@ class SteadyStep:
             col.published = pub + 1
             col._nf_episode = False
             col._raw_snap = False
-            clip = col._clip
-            if detail or values or (clip is not None and type(clip[1]) is not tuple):
+            if i < 0:  # native: the fixed layout with the sums of squares and the batches after it
+                if loss_f is not None:
+                    flags |= _LOSS
+                else:
+                    loss_f = 0.0
+                payload = _pack(MARK, flags | _NORMS | (_CLIP if clip is not None else 0), self._groups,
+                                self._ntensors, step, _now(), 0, loss_f, n_in, n_t) + self._lr_bytes
+                if clip is not None:
+                    payload += _CLIP_AT.pack(clip[0], clip[1][0])
+                    col._clip = None
+                payload += out
+                wflags = 0
+                self.native_steps += 1
+            elif detail or values or (clip is not None and type(clip[1]) is not tuple):
                 payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper, values)
             else:  # a steady step, the settle after a detail step, a clipped total: the fixed layout
                 wflags = W_SETTLE if settle else 0
@@ -195,7 +225,7 @@ class SteadyStep:
                     payload += _CLIP_AT.pack(clip[0], clip[1][0])
                     col._clip = None
             sender = w.sender
-            if sender.submit_raw(payload):
+            if sender.submit_raw(payload) and i >= 0:
                 table.commit(i, seq)
                 col._raw_snap = bool(wflags & W_SNAP)
             if opt is not None and col.measure_clips and is_clip(pub, col.detail_every):
@@ -263,8 +293,12 @@ class SteadyStep:
                 stats.append(name)
         if len(self._batches) >= 8:
             self._batches.clear()  # varying batch shapes: rebuild rather than grow
+        out = None  # the native call's record buffer: sums of squares, then the raw batches as float32
+        if self.native is not None and not stats and all(
+                t is None or not pick & (k + 1) or t.dtype in native.BATCH_DTYPES for k, t in enumerate((inputs, targets))):
+            out = bytearray(8 * len(self.sizes) + 4 * (counts[0] + counts[1]))
         entry = self._batches[(kin, kt)] = [flags, counts[0], counts[1], counts[0] + counts[1],
-                                            [None] * (2 * self.table.spec.k), data, pick, tuple(stats)]
+                                            [None] * (2 * self.table.spec.k), data, pick, tuple(stats), out]
         return entry
 
     def _destinations(self, i: int, inputs: Any, targets: Any, weights: bool = False) -> list[torch.Tensor]:

@@ -305,7 +305,8 @@ class Watcher:
 
     def _counters(self) -> dict[str, int]:
         c = {"trainer_errors": self._errors, "steps": self._collector.step, "published": self._collector.published,
-             "raw_steps": self._collector.raw_steps, "steady_steps": self._steady.served if self._steady is not None else 0}
+             "raw_steps": self._collector.raw_steps, "steady_steps": self._steady.served if self._steady is not None else 0,
+             "native_steps": self._steady.native_steps if self._steady is not None else 0}
         if self._control is not None:
             c["rejected_cmd"] = sum(self._control.rejected.values())
             c["cmd_rate_limited"] = self._control.rate_limited

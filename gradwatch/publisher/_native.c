@@ -1,0 +1,207 @@
+/* The steady step's one compiled call: per-tensor sums of squares of a small CPU model's gradients, read in
+ * place, and its tiny batches as float32, written into one buffer that becomes the step's record.
+ *
+ * Why (docs/design.md, "The native steady step"; bench/README.md 1.16): on a small CPU model the
+ * steady step copied every gradient into a shared-memory slot (~20 us with caches cold from backward)
+ * so that the sidecar could take the norms there, then took the total with torch.dot; every Python or
+ * torch statement of it cost about as much again in the training step's own phases. One pass over the
+ * gradients in C, where they lie, gives the per-tensor sums the sidecar would have computed, the total
+ * for the trouble check and whether everything is finite, and leaves no slot to hand over.
+ *
+ * Safety first: a tensor is read only when it is exactly torch.Tensor (no subclass), on the CPU, of a
+ * known dtype, contiguous and of the expected byte size. Anything else answers -1 ("not mine", the
+ * caller takes the copying path) without reading a byte. Errors from torch's attribute calls are
+ * cleared and answered -1 as well: this runs inside a training loop.
+ *
+ * grad_sumsq(grads: list, sizes: tuple[int, ...], batches: tuple, out: writable buffer) -> float
+ *   out: len(grads) float64 sums of squares, then every batch value as float32 (batches in order).
+ *   returns the total sum of squares (>= 0) when every gradient and batch value is finite; NaN or inf when
+ *   one is not (sums in float64: a finite float32 squared cannot overflow them); -1.0 when not eligible.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static PyObject *s_dtype, *s_is_cpu, *s_nbytes, *s_is_contiguous, *s_data_ptr;
+static PyObject *tensor_type, *dt_f32, *dt_f64, *dt_i64, *dt_i32;
+static int have_avx2;
+
+typedef double v4d __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16), aligned(4)));
+typedef double v2d __attribute__((vector_size(16)));
+
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx2,fma"))) static double sumsq_avx2(const float *x, Py_ssize_t n) {
+    v4d a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    Py_ssize_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        v4d d0 = __builtin_convertvector(*(const v4f *)(x + i), v4d);
+        v4d d1 = __builtin_convertvector(*(const v4f *)(x + i + 4), v4d);
+        v4d d2 = __builtin_convertvector(*(const v4f *)(x + i + 8), v4d);
+        v4d d3 = __builtin_convertvector(*(const v4f *)(x + i + 12), v4d);
+        v4d d4 = __builtin_convertvector(*(const v4f *)(x + i + 16), v4d);
+        v4d d5 = __builtin_convertvector(*(const v4f *)(x + i + 20), v4d);
+        v4d d6 = __builtin_convertvector(*(const v4f *)(x + i + 24), v4d);
+        v4d d7 = __builtin_convertvector(*(const v4f *)(x + i + 28), v4d);
+        a0 += d0 * d0; a1 += d1 * d1; a2 += d2 * d2; a3 += d3 * d3;
+        a4 += d4 * d4; a5 += d5 * d5; a6 += d6 * d6; a7 += d7 * d7;
+    }
+    v4d s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+    double r = (s[0] + s[1]) + (s[2] + s[3]);
+    for (; i < n; i++) {
+        double v = x[i];
+        r += v * v;
+    }
+    return r;
+}
+#else
+#define sumsq_avx2 sumsq_plain
+#endif
+
+static double sumsq_plain(const float *x, Py_ssize_t n) {  /* SSE2, the x86-64 baseline (or any target) */
+    v2d a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v2d d0 = {x[i], x[i + 1]}, d1 = {x[i + 2], x[i + 3]}, d2 = {x[i + 4], x[i + 5]}, d3 = {x[i + 6], x[i + 7]};
+        a0 += d0 * d0; a1 += d1 * d1; a2 += d2 * d2; a3 += d3 * d3;
+    }
+    v2d s = (a0 + a1) + (a2 + a3);
+    double r = s[0] + s[1];
+    for (; i < n; i++) {
+        double v = x[i];
+        r += v * v;
+    }
+    return r;
+}
+
+/* The data of `t` when it is an exact torch.Tensor on the CPU, contiguous, with dtype `*dt` among the
+ * allowed ones and `nbytes` bytes (0 = any; then *nb gets them); NULL otherwise (any error cleared). */
+static const void *tensor_data(PyObject *t, PyObject **dt, int batch, Py_ssize_t want, Py_ssize_t *nb) {
+    PyObject *o;
+    if ((PyObject *)Py_TYPE(t) != tensor_type) return NULL;
+    if (!(o = PyObject_GetAttr(t, s_dtype))) goto error;
+    Py_DECREF(o);  /* the dtype objects are torch's singletons: a borrowed identity is enough */
+    if (!(o == dt_f32 || (batch && (o == dt_f64 || o == dt_i64 || o == dt_i32)))) return NULL;
+    *dt = o;
+    if (!(o = PyObject_GetAttr(t, s_is_cpu))) goto error;
+    Py_DECREF(o);
+    if (o != Py_True) return NULL;
+    if (!(o = PyObject_GetAttr(t, s_nbytes))) goto error;
+    Py_ssize_t n = PyLong_AsSsize_t(o);
+    Py_DECREF(o);
+    if (n < 0 || (want && n != want)) goto error;
+    *nb = n;
+    if (!(o = PyObject_CallMethodNoArgs(t, s_is_contiguous))) goto error;
+    Py_DECREF(o);
+    if (o != Py_True) return NULL;
+    if (!(o = PyObject_CallMethodNoArgs(t, s_data_ptr))) goto error;
+    void *p = PyLong_AsVoidPtr(o);
+    Py_DECREF(o);
+    if (!p) goto error;
+    return p;
+error:
+    PyErr_Clear();
+    return NULL;
+}
+
+static PyObject *grad_sumsq(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "grad_sumsq(grads: list, sizes: tuple, batches: tuple, out: buffer)");
+        return NULL;
+    }
+    if (!tensor_type) {
+        PyErr_SetString(PyExc_RuntimeError, "grad_sumsq: configure() first");
+        return NULL;
+    }
+    PyObject *grads = args[0], *sizes = args[1], *batches = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(grads);
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[3], &view, PyBUF_WRITABLE) < 0) return NULL;
+    double result = -1.0, total = 0.0;
+    int finite = 1;
+    if (PyTuple_GET_SIZE(sizes) != n || view.len < (Py_ssize_t)(n * sizeof(double))) goto done;
+    char *sums = (char *)view.buf;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, k)), nb;
+        PyObject *dt;
+        if (size < 0) {
+            PyErr_Clear();
+            goto done;
+        }
+        const float *p = size ? tensor_data(PyList_GET_ITEM(grads, k), &dt, 0, size * 4, &nb) : NULL;
+        if (size && !p) goto done;
+        double s = !size ? 0.0 : have_avx2 ? sumsq_avx2(p, size) : sumsq_plain(p, size);
+        memcpy(sums + k * sizeof(double), &s, sizeof s);  /* any alignment */
+        total += s;
+    }
+    char *at = (char *)view.buf + n * sizeof(double);
+    char *end = (char *)view.buf + view.len;
+    for (Py_ssize_t b = 0; b < PyTuple_GET_SIZE(batches); b++) {
+        PyObject *dt;
+        Py_ssize_t nb;
+        const void *p = tensor_data(PyTuple_GET_ITEM(batches, b), &dt, 1, 0, &nb);
+        if (!p) goto done;
+        Py_ssize_t count = nb / (dt == dt_f32 || dt == dt_i32 ? 4 : 8);
+        if (count * 4 > end - at) goto done;
+        float *o = (float *)at;
+        if (dt == dt_f32) {
+            memcpy(o, p, count * 4);
+        } else if (dt == dt_f64) {
+            for (Py_ssize_t i = 0; i < count; i++) o[i] = (float)((const double *)p)[i];
+        } else if (dt == dt_i64) {
+            for (Py_ssize_t i = 0; i < count; i++) o[i] = (float)((const int64_t *)p)[i];
+        } else {
+            for (Py_ssize_t i = 0; i < count; i++) o[i] = (float)((const int32_t *)p)[i];
+        }
+        for (Py_ssize_t i = 0; i < count; i++) finite &= isfinite(o[i]) != 0;
+        at += count * 4;
+    }
+    if (at != end) goto done;  /* the buffer is sized for these batches: anything else is another shape */
+    result = finite ? total : NAN;
+done:
+    PyBuffer_Release(&view);
+    return PyFloat_FromDouble(result);
+}
+
+static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "configure(Tensor, float32, float64, int64, int32)");
+        return NULL;
+    }
+    PyObject **slots[5] = {&tensor_type, &dt_f32, &dt_f64, &dt_i64, &dt_i32};
+    for (int i = 0; i < 5; i++) {
+        Py_INCREF(args[i]);
+        Py_XSETREF(*slots[i], args[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *simd(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(have_avx2 ? "avx2" : "baseline");
+}
+
+static PyMethodDef methods[] = {
+    {"grad_sumsq", (PyCFunction)(void (*)(void))grad_sumsq, METH_FASTCALL,
+     "grad_sumsq(grads, sizes, batches, out) -> total sum of squares, NaN/inf if non-finite, -1.0 if not eligible"},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
+     "configure(torch.Tensor, float32, float64, int64, int32): the types grad_sumsq reads"},
+    {"simd", simd, METH_NOARGS, "which kernel runs: 'avx2' or 'baseline'"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gradwatch.publisher._native",
+                                    "The steady step's compiled call (see _native.c).", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    if (!(s_dtype = PyUnicode_InternFromString("dtype")) || !(s_is_cpu = PyUnicode_InternFromString("is_cpu"))
+        || !(s_nbytes = PyUnicode_InternFromString("nbytes"))
+        || !(s_is_contiguous = PyUnicode_InternFromString("is_contiguous"))
+        || !(s_data_ptr = PyUnicode_InternFromString("data_ptr")))
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,39 @@
+"""The steady step's compiled call, when the install could build it (``_native.c``), else None.
+
+Why (docs/design.md, "The native steady step"): one C pass over a small CPU model's gradients, where they
+lie, replaces the copy into a shared-memory slot, the ``torch.dot`` for the total and the slot's hand-over.
+The extension is optional (setup.py): without a compiler, or with ``GRADWATCH_NATIVE=0`` in the
+environment, :data:`grad_sumsq` is None and the steady step copies into a slot as before. Both paths give
+the viewer the same step (tests/test_native.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+#: ``grad_sumsq(grads, sizes, batches, out) -> float`` (see _native.c), or None.
+grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None
+#: Why it is None, for the STATUS counters and the tests ("" when loaded).
+why_not = ""
+#: Batch dtypes the call converts to float32 itself (others take the copying path).
+BATCH_DTYPES = frozenset({torch.float32, torch.float64, torch.int64, torch.int32})
+
+
+def _load() -> None:
+    global grad_sumsq, why_not
+    if os.environ.get("GRADWATCH_NATIVE", "1").strip() == "0":
+        why_not = "GRADWATCH_NATIVE=0"
+        return
+    try:
+        from gradwatch.publisher import _native  # type: ignore[attr-defined]
+    except ImportError as exc:  # not built (no compiler at install time), or built for another Python
+        why_not = f"not built ({exc})"
+        return
+    _native.configure(torch.Tensor, torch.float32, torch.float64, torch.int64, torch.int32)
+    grad_sumsq = _native.grad_sumsq
+
+
+_load()

@@ -1,0 +1,175 @@
+"""The native steady step (gradwatch/publisher/_native.c, native.py; issue 13): the compiled pass over a small
+CPU model's gradients. It must give the sums of squares and batch values that torch gives, say "not mine"
+(-1, nothing read) for anything it cannot read safely where it lies, flag every non-finite value, and the
+steps it publishes must be the ones the copying path publishes. Malformed records of its kind are counted
+by the sidecar, never fatal."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import PY, ROOT
+from gradwatch.publisher import native
+from gradwatch.publisher.slots import _HEAD, _IN, _IN_INT, _LOSS, _NORMS, MARK, SlotReader, SlotSpec, decode_raw
+
+pytestmark = pytest.mark.skipif(native.grad_sumsq is None, reason=f"the extension is not here: {native.why_not}")
+fn = native.grad_sumsq
+
+
+def _out(grads: list[torch.Tensor], batches: tuple[torch.Tensor, ...] = ()) -> bytearray:
+    return bytearray(8 * len(grads) + 4 * sum(b.numel() for b in batches))
+
+
+def _call(grads: list[torch.Tensor], batches: tuple[torch.Tensor, ...] = (), sizes: tuple[int, ...] | None = None,
+          out: bytearray | None = None) -> tuple[float, bytearray]:
+    out = _out(grads, batches) if out is None else out
+    r = fn(grads, tuple(g.numel() for g in grads) if sizes is None else sizes, batches, out)  # type: ignore[misc]
+    return r, out
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=12), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e6, 1e30]))
+def test_sums_of_squares_are_torchs_in_float64(sizes: list[int], seed: int, scale: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=g) * scale for n in sizes]  # 1e30: float32 squares would overflow
+    total, out = _call(grads)
+    sums = np.frombuffer(out, dtype=np.float64)
+    ref = np.array([float(t.double().square().sum()) for t in grads])
+    assert np.allclose(sums, ref, rtol=1e-12, atol=0)
+    assert math.isclose(total, float(ref.sum()), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.int32])
+def test_batches_arrive_as_torchs_float32_values(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(7, 3, generator=g)]
+    x = (torch.randn(16, 5, generator=g) * 1e3).to(dtype) if dtype.is_floating_point else \
+        torch.randint(-(2**40) if dtype == torch.int64 else -(2**30), 2**30, (16, 5), generator=g, dtype=dtype)
+    y = torch.randint(0, 10, (16,), generator=g)
+    total, out = _call(grads, (x, y))
+    assert total >= 0
+    vals = np.frombuffer(out, dtype=np.float32, offset=8)
+    want = torch.cat([x.reshape(-1).to(torch.float32), y.to(torch.float32)]).numpy()
+    assert vals.tobytes() == want.tobytes()  # bit for bit: the slot's _foreach_copy_ gives the same
+
+
+@pytest.mark.parametrize("where", ["grad_nan", "grad_inf", "grad_last", "batch_nan", "batch_inf", "batch_f64_overflow"])
+def test_anything_non_finite_answers_nan_or_inf(where: str) -> None:
+    grads = [torch.randn(33), torch.randn(64, 5), torch.randn(1)]
+    x, y = torch.randn(4, 5), torch.randn(4)
+    if where == "grad_nan":
+        grads[1][3, 2] = math.nan
+    elif where == "grad_inf":
+        grads[0][32] = -math.inf  # the tail after the vector loop
+    elif where == "grad_last":
+        grads[2][0] = math.inf
+    elif where == "batch_nan":
+        x[3, 4] = math.nan
+    elif where == "batch_inf":
+        y[0] = math.inf
+    else:
+        x = x.double()
+        x[0, 0] = 1e300  # finite in float64, inf as float32: the slot would hold inf too
+    total, _ = _call(grads, (x, y))
+    assert not math.isfinite(total) and not total < 0
+
+
+def test_a_finite_huge_gradient_is_its_size_not_inf() -> None:
+    g = torch.full((100,), 3e38)  # float32 squares overflow; float64 sums do not
+    total, out = _call([g])
+    assert math.isfinite(total) and math.isclose(math.sqrt(total), 3e39, rel_tol=1e-6)
+
+
+def _not_mine(grads: list[torch.Tensor], batches: tuple[torch.Tensor, ...] = (), **kw: object) -> None:
+    r, _ = _call(grads, batches, **kw)  # type: ignore[arg-type]
+    assert r == -1.0
+
+
+def test_what_it_cannot_read_where_it_lies_is_not_its_own() -> None:
+    ok = torch.randn(6, 4)
+    _not_mine([ok, ok.t()])  # transposed: not contiguous
+    _not_mine([torch.randn(12)[::2]])  # strided: reading 6 contiguous values would leave the tensor
+    _not_mine([torch.randn(6, dtype=torch.float16)])
+    _not_mine([torch.randn(6, dtype=torch.bfloat16)])
+    _not_mine([torch.randn(6, dtype=torch.float64)])  # a float64 gradient: the copying path's dtype rules
+    _not_mine([torch.nn.Parameter(torch.randn(6))])  # a subclass: its data may not be where data_ptr says
+    _not_mine([torch.empty(6, device="meta")])  # no host memory: never dereference a device pointer
+    _not_mine([ok], sizes=(25,))  # the model's sizes changed: 24 values where 25 were planned
+    _not_mine([ok], sizes=(-1,))
+    _not_mine([ok], sizes=(24, 1))
+    _not_mine([ok, None], sizes=(24, 1))  # type: ignore[list-item]
+    _not_mine([ok, 3.0], sizes=(24, 1))  # type: ignore[list-item]
+    _not_mine([ok], (torch.ones(4, dtype=torch.bool),))  # a dtype the call does not convert
+    _not_mine([ok], (torch.randn(4, 2).t(),))
+    _not_mine([ok], (torch.randn(4),), out=bytearray(8 + 12))  # a buffer for another batch shape
+    _not_mine([ok], (torch.randn(4),), out=bytearray(8 + 20))
+    _not_mine([ok], out=bytearray(4))
+
+
+def test_wrong_arguments_raise_type_errors_the_steady_step_never_makes() -> None:
+    with pytest.raises(TypeError):
+        fn((torch.randn(3),), (3,), (), bytearray(8))  # type: ignore[misc,arg-type]
+    with pytest.raises(BufferError):
+        fn([torch.randn(3)], (3,), (), b"\0" * 8)  # type: ignore[misc]  # read-only
+    with pytest.raises(TypeError):
+        fn([torch.randn(3)], (3,), ())  # type: ignore[misc,call-arg]
+
+
+def _record(tensors: int, sums: list[float], batch: list[float], n_in: int, flags: int = _LOSS | _IN) -> bytes:
+    head = _HEAD.pack(MARK, flags | _NORMS, 1, tensors, 9, 1.5, 0, 0.25, n_in, 0)
+    return head + struct.pack("<d", 1e-3) + struct.pack(f"<{len(sums)}d", *sums) + struct.pack(f"<{len(batch)}f", *batch)
+
+
+def test_a_norms_record_decodes_to_the_steps_values() -> None:
+    step, ts, slot, _, meta, data, wflags, values = decode_raw(_record(3, [4.0, 0.0, 1e80], [1, 2, 3, 6], 4,
+                                                                     _LOSS | _IN | _IN_INT))
+    assert (step, ts, slot, wflags) == (9, 1.5, -1, 0)
+    assert meta == {"loss": 0.25, "opt": [{"lr": 1e-3}], "nonfinite": {}}
+    assert np.frombuffer(values["gn"], dtype=np.float32).tolist() == [2.0, 0.0, math.inf]  # 1e40: beyond float32
+    st = struct.unpack("<8f", values["data:inputs"])
+    assert st[:5] == (4.0, 0.0, 1.0, 6.0, 3.0) and st[6] == 1.0
+    assert data == [["inputs", 4, 1]]
+
+
+@pytest.mark.parametrize("bad", [
+    _record(3, [1.0, 2.0], [1, 2, 3, 4], 4),  # fewer sums than it says
+    _record(2, [1.0, 2.0], [1, 2, 3], 4),  # fewer values
+    _record(2, [1.0, 2.0], [1, 2, 3, 4, 5], 4),  # more
+    _record(2, [1.0, -2.0], [1, 2, 3, 4], 4),
+    _record(2, [1.0, math.nan], [1, 2, 3, 4], 4),
+    _record(0, [], [1, 2, 3, 4], 4),
+    _record(2, [1.0, 2.0], [1.0] * 200, 200),  # more batch values than a record may carry
+    _record(2, [1.0, 2.0], [], 0)[:-3],
+])
+def test_a_malformed_norms_record_is_a_value_error(bad: bytes) -> None:
+    with pytest.raises(ValueError, match="malformed raw record"):
+        decode_raw(bad)
+
+
+def test_the_sidecar_refuses_norms_for_another_model() -> None:
+    spec = SlotSpec(2, (6, 2, 3))
+    reader = SlotReader(spec, bytearray(spec.nbytes), 0)
+    with pytest.raises(ValueError, match="another model"):
+        reader.inline({"gn": np.ones(2, np.float32).tobytes()})
+    reader.pending_ur = (b"x", 1)
+    reader.inline({"gn": np.ones(3, np.float32).tobytes()})
+    assert reader.pending_ur is None  # as a plain step through a slot leaves it
+
+
+def test_gradwatch_native_0_turns_it_off_and_says_so() -> None:
+    code = "from gradwatch.publisher import native as n; print(n.grad_sumsq is None, n.why_not)"
+    env = {**os.environ, "GRADWATCH_NATIVE": "0"}
+    out = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == "True GRADWATCH_NATIVE=0", out.stderr
+    assert sys.modules["gradwatch.publisher.native"].grad_sumsq is not None  # this process: on
