@@ -7,7 +7,8 @@ Why (bench/README.md 1.15): the 2-vCPU boxes this project is measured on change 
 within one (the tutorial MLP's bare step was 0.84 ms on one, 1.9-3.0 ms on the next, going from one to the
 other within minutes), so two runs of ``overhead.py`` an hour apart cannot tell a 0.01 change from the box.
 Here the package as it was at ``--ref`` is extracted (``git archive``) into a temporary directory under the
-name ``gradwatch_ref`` (its own imports renamed, its sidecar started as ``gradwatch_ref.publisher.sidecar``),
+name ``gradwatch_ref`` (its own imports renamed, its sidecar started as ``gradwatch_ref.publisher.sidecar``,
+its C extension compiled there as setup.py would),
 and ``phases.py`` runs it beside the working tree's ``gradwatch``, in interleaved shuffled rounds, each with
 its own model copy and sidecar. Variants: ``phases.py``'s, plus ``ref`` and ``ref+sub``.
 """
@@ -19,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,15 @@ def extract(ref: str, into: Path) -> Path:
         new = _IMPORT.sub("gradwatch_ref", text).replace('"-m", "gradwatch.publisher', '"-m", "gradwatch_ref.publisher')
         if new != text:
             path.write_text(new)
+    for src in pkg.rglob("*.c"):  # its compiled extension (publisher/_native.c), as its install would build it
+        out = src.with_name(src.stem + sysconfig.get_config_var("EXT_SUFFIX"))
+        cc = os.environ.get("CC", "cc")
+        built = subprocess.run([cc, "-O3", "-fno-strict-aliasing", "-shared", "-fPIC",
+                                f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(out)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            print(f"ab_ref.py: {src.name} at {ref} not compiled, the ref runs without it: {built.stderr[-300:]}",
+                  file=sys.stderr)
     return pkg
 
 

@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import PY, ROOT
-from gradwatch.publisher import native
+from gradwatch.publisher import native, ring
+from gradwatch.publisher.ring import Ring
 from gradwatch.publisher.slots import _HEAD, _IN, _IN_INT, _LOSS, _NORMS, MARK, SlotReader, SlotSpec, decode_raw
 
 pytestmark = pytest.mark.skipif(native.grad_sumsq is None, reason=f"the extension is not here: {native.why_not}")
@@ -167,8 +169,66 @@ def test_the_sidecar_refuses_norms_for_another_model() -> None:
     assert reader.pending_ur is None  # as a plain step through a slot leaves it
 
 
+def test_given_the_parameters_it_reads_their_gradients_and_refuses_a_missing_one() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model(torch.randn(8, 5)).square().sum().backward()
+    params = list(model.parameters())
+    sizes = tuple(p.numel() for p in params)
+    x = torch.randn(8, 5)
+    a, b = bytearray(8 * 4 + 4 * 40), bytearray(8 * 4 + 4 * 40)
+    assert native.param_grad_sumsq(params, sizes, (x,), a) == fn([p.grad for p in params], sizes, (x,), b) > 0
+    assert a == b
+    params[2].grad = None  # a parameter that took no part in this step
+    assert native.param_grad_sumsq(params, sizes, (x,), a) == -1.0
+    params[2].grad = torch.zeros(16, 3).t()  # a layout the gradient of a contiguous weight never has
+    assert native.param_grad_sumsq(params, sizes, (x,), a) == -1.0
+    assert native.param_grad_sumsq([*params[:2], object(), params[3]], sizes, (x,), a) == -1.0  # no .grad at all
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 90), min_size=1, max_size=40), pieces=st.integers(1, 4), read_every=st.integers(1, 5))
+def test_a_record_in_pieces_lands_in_the_ring_byte_for_byte_as_the_python_write(
+        tmp_path_factory: pytest.TempPathFactory, sizes: list[int], pieces: int, read_every: int) -> None:
+    """ring_put against Ring._write: the same bytes in the mapping, the same answers when full, wrapping
+    included (a 256-byte ring, records of up to 94 bytes), read back by the Python reader."""
+    d = tmp_path_factory.mktemp("ring")
+    c_ring, py_ring = Ring.create(d / "c", 256, 64), Ring.create(d / "p", 256, 64)
+    got: list[bytes] = []
+    want: list[bytes] = []
+    for k, n in enumerate(sizes):
+        rec = bytes((k * 7 + j) % 251 for j in range(n))
+        cut = sorted({0, n, *(min(n, (j + 1) * n // pieces) for j in range(pieces))})
+        parts = tuple(rec[a:b] for a, b in zip(cut, cut[1:])) or (b"",)
+        assert c_ring.write_parts(parts) == py_ring.write(rec)
+        assert bytes(c_ring.mm) == bytes(py_ring.mm)
+        if k % read_every == 0:
+            got += c_ring.read()
+            want += py_ring.read()
+    assert got == want and got
+    c_ring.close()
+    py_ring.close()
+
+
+def test_ring_put_refuses_positions_outside_its_mapping(tmp_path: Path) -> None:
+    r = Ring.create(tmp_path / "r", 256, 64)
+    put = ring._ring_put
+    assert put is not None
+    with pytest.raises(ValueError):
+        put(r.mm, 320, 1 << 20, 64, 128, (b"x",))  # a ring beyond the file
+    with pytest.raises(ValueError):
+        put(r.mm, 320, 256, 63, 128, (b"x",))  # a misaligned position
+    with pytest.raises(TypeError):
+        put(r.mm, 320, 256, 64, 128, (b"x",) * 9)
+    with pytest.raises(TypeError):
+        put(r.mm, 320, 256, 64, 128, (3,))
+    assert r.read() == []  # nothing was written
+    assert r.write_parts((b"ab", bytearray(b"cd"), memoryview(b"ef"))) and r.read() == [b"abcdef"]
+    r.close()
+
+
 def test_gradwatch_native_0_turns_it_off_and_says_so() -> None:
-    code = "from gradwatch.publisher import native as n; print(n.grad_sumsq is None, n.why_not)"
+    code = ("from gradwatch.publisher import native as n; "
+            "print(n.grad_sumsq is None and n.param_grad_sumsq is None, n.why_not)")
     env = {**os.environ, "GRADWATCH_NATIVE": "0"}
     out = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == "True GRADWATCH_NATIVE=0", out.stderr

@@ -92,7 +92,7 @@ def test_a_stalled_sidecar_holds_its_slots_and_the_trainer_takes_the_ordinary_pa
     sidecar holds it; with it an ordinary step needs none (its record carries its norms), and only the
     detail steps and the steps after them wait for slots."""
     if not native_on:
-        monkeypatch.setattr(native, "grad_sumsq", None)
+        monkeypatch.setattr(native, "param_grad_sumsq", None)
     model = _mlp(0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
@@ -123,7 +123,7 @@ def test_a_stalled_sidecar_holds_its_slots_and_the_trainer_takes_the_ordinary_pa
         os.kill(pid, signal.SIGCONT)
     stalled = gw._collector.raw_steps - before  # noqa: SLF001
     native_steps = gw._steady.native_steps - native_before  # noqa: SLF001
-    if native_on and native.grad_sumsq is not None:
+    if native_on and native.param_grad_sumsq is not None:
         assert native_steps >= 3 * raw.spec.k * 0.7  # no slot needed for an ordinary step
         assert stalled - native_steps <= raw.spec.k
     else:

@@ -17,6 +17,12 @@
  *   out: len(grads) float64 sums of squares, then every batch value as float32 (batches in order).
  *   returns the total sum of squares (>= 0) when every gradient and batch value is finite; NaN or inf when
  *   one is not (sums in float64: a finite float32 squared cannot overflow them); -1.0 when not eligible.
+ * param_grad_sumsq(params: list, ...): the same, reading each parameter's .grad (no list built in Python).
+ *
+ * ring_put(mm, base, cap, w_at, r_at, parts: tuple) -> bool: ring.py's Ring._write of one record given in
+ *   pieces (no concatenated copy, no Python statements per record): the 4-byte little-endian length, the
+ *   pieces, wrapping at the end of the ring, then the writer's position stored with release order (the
+ *   reader sees all of the record or none of it, on any CPU). False when it does not fit now.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -106,7 +112,9 @@ error:
     return NULL;
 }
 
-static PyObject *grad_sumsq(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *s_grad;
+
+static PyObject *sumsq_common(PyObject *const *args, Py_ssize_t nargs, int via_grad) {
     if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[2])) {
         PyErr_SetString(PyExc_TypeError, "grad_sumsq(grads: list, sizes: tuple, batches: tuple, out: buffer)");
         return NULL;
@@ -130,7 +138,25 @@ static PyObject *grad_sumsq(PyObject *self, PyObject *const *args, Py_ssize_t na
             PyErr_Clear();
             goto done;
         }
-        const float *p = size ? tensor_data(PyList_GET_ITEM(grads, k), &dt, 0, size * 4, &nb) : NULL;
+        PyObject *g = PyList_GET_ITEM(grads, k);
+        const float *p = NULL;
+        if (via_grad) {  /* the parameter's .grad, a new reference: the tensor outlives the read (it is the
+                          * parameter's), but the reference is dropped only after it */
+            if (!(g = PyObject_GetAttr(g, s_grad))) {
+                PyErr_Clear();
+                goto done;
+            }
+            p = tensor_data(g, &dt, 0, size * 4, &nb);
+            if (p) {
+                double s = have_avx2 ? sumsq_avx2(p, size) : sumsq_plain(p, size);
+                memcpy(sums + k * sizeof(double), &s, sizeof s);
+                total += s;
+            }
+            Py_DECREF(g);
+            if (!p) goto done;
+            continue;
+        }
+        p = size ? tensor_data(g, &dt, 0, size * 4, &nb) : NULL;
         if (size && !p) goto done;
         double s = !size ? 0.0 : have_avx2 ? sumsq_avx2(p, size) : sumsq_plain(p, size);
         memcpy(sums + k * sizeof(double), &s, sizeof s);  /* any alignment */
@@ -165,6 +191,74 @@ done:
     return PyFloat_FromDouble(result);
 }
 
+static PyObject *grad_sumsq(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return sumsq_common(args, nargs, 0);
+}
+
+static PyObject *param_grad_sumsq(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return sumsq_common(args, nargs, 1);
+}
+
+static void ring_copy(char *ring, Py_ssize_t cap, Py_ssize_t off, const char *src, Py_ssize_t n) {
+    Py_ssize_t first = cap - off < n ? cap - off : n;
+    memcpy(ring + off, src, first);
+    if (first < n) memcpy(ring, src + first, n - first);
+}
+
+#define RING_PARTS 8
+static PyObject *ring_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6 || !PyTuple_CheckExact(args[5]) || PyTuple_GET_SIZE(args[5]) > RING_PARTS) {
+        PyErr_SetString(PyExc_TypeError, "ring_put(mm, base, cap, w_at, r_at, parts: tuple of at most 8)");
+        return NULL;
+    }
+    Py_ssize_t base = PyLong_AsSsize_t(args[1]), cap = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t w_at = PyLong_AsSsize_t(args[3]), r_at = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer mm, parts[RING_PARTS];
+    Py_ssize_t np = PyTuple_GET_SIZE(args[5]), got = 0, size = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(args[0], &mm, PyBUF_WRITABLE) < 0) return NULL;
+    if (base < 0 || cap <= 0 || base + cap > mm.len || w_at < 0 || r_at < 0 || w_at % 8 || r_at % 8
+        || w_at + 8 > mm.len || r_at + 8 > mm.len || ((uintptr_t)mm.buf) % 8) {
+        PyErr_SetString(PyExc_ValueError, "ring_put: positions outside the mapping");
+        goto out;
+    }
+    for (; got < np; got++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[5], got), &parts[got], PyBUF_SIMPLE) < 0) goto out;
+        size += parts[got].len;
+    }
+    if (size > 0xFFFFFFFFLL) {
+        PyErr_SetString(PyExc_ValueError, "ring_put: record too large");
+        goto out;
+    }
+    char *buf = (char *)mm.buf;
+    uint64_t *wp = (uint64_t *)(buf + w_at), *rp = (uint64_t *)(buf + r_at);
+    uint64_t w = __atomic_load_n(wp, __ATOMIC_RELAXED);  /* ours: only this side writes it */
+    uint64_t r = __atomic_load_n(rp, __ATOMIC_ACQUIRE);  /* the reader's reads of that space are done */
+    uint64_t n = 4 + (uint64_t)size;
+    if (w < r || n > (uint64_t)cap - (w - r)) {
+        result = Py_NewRef(Py_False);
+        goto out;
+    }
+    Py_ssize_t off = (Py_ssize_t)(w % (uint64_t)cap);
+    unsigned char len[4] = {size & 0xFF, (size >> 8) & 0xFF, (size >> 16) & 0xFF, (size >> 24) & 0xFF};
+    ring_copy(buf + base, cap, off, (const char *)len, 4);
+    off = (off + 4) % cap;
+    for (Py_ssize_t i = 0; i < np; i++) {
+        ring_copy(buf + base, cap, off, (const char *)parts[i].buf, parts[i].len);
+        off = (off + parts[i].len) % cap;
+    }
+    __atomic_store_n(wp, w + n, __ATOMIC_RELEASE);  /* after the record: all of it or none */
+    result = Py_NewRef(Py_True);
+out:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&parts[i]);
+    PyBuffer_Release(&mm);
+    return result;
+}
+
 static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "configure(Tensor, float32, float64, int64, int32)");
@@ -185,6 +279,10 @@ static PyObject *simd(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"grad_sumsq", (PyCFunction)(void (*)(void))grad_sumsq, METH_FASTCALL,
      "grad_sumsq(grads, sizes, batches, out) -> total sum of squares, NaN/inf if non-finite, -1.0 if not eligible"},
+    {"param_grad_sumsq", (PyCFunction)(void (*)(void))param_grad_sumsq, METH_FASTCALL,
+     "param_grad_sumsq(params, sizes, batches, out): grad_sumsq of each parameter's .grad"},
+    {"ring_put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
+     "ring_put(mm, base, cap, w_at, r_at, parts) -> bool: one record into a ring of ring.py"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
      "configure(torch.Tensor, float32, float64, int64, int32): the types grad_sumsq reads"},
     {"simd", simd, METH_NOARGS, "which kernel runs: 'avx2' or 'baseline'"},
@@ -201,7 +299,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (!(s_dtype = PyUnicode_InternFromString("dtype")) || !(s_is_cpu = PyUnicode_InternFromString("is_cpu"))
         || !(s_nbytes = PyUnicode_InternFromString("nbytes"))
         || !(s_is_contiguous = PyUnicode_InternFromString("is_contiguous"))
-        || !(s_data_ptr = PyUnicode_InternFromString("data_ptr")))
+        || !(s_data_ptr = PyUnicode_InternFromString("data_ptr")) || !(s_grad = PyUnicode_InternFromString("grad")))
         return NULL;
     return PyModule_Create(&module);
 }

@@ -120,9 +120,10 @@ class SidecarSender:
             self._write_work(work)
         self._tick()
 
-    def submit_raw(self, payload: bytes) -> bool:
+    def submit_raw(self, payload: bytes | tuple[Any, ...]) -> bool:
         """One step of the raw hand-off (:mod:`.raw`): True when its record is in the ring, and so its slot
-        the sidecar's until released; False when it was not written (then the slot is still ours)."""
+        the sidecar's until released; False when it was not written (then the slot is still ours). A tuple
+        is one record in pieces (:meth:`.Ring.write_parts`)."""
         if self.dead_reason is not None or self._stopping:
             return False
         ok = self._write(payload)
@@ -226,9 +227,9 @@ class SidecarSender:
 
     # ------------------------------------------------------------------ internals
 
-    def _write(self, payload: bytes, count: bool = True) -> bool:
+    def _write(self, payload: bytes | tuple[Any, ...], count: bool = True) -> bool:
         with self._lock:
-            ok = self._ring.write(payload)
+            ok = self._ring.write_parts(payload) if type(payload) is tuple else self._ring.write(payload)
         if not ok and count:
             self.dropped += 1
         return ok

@@ -16,6 +16,8 @@ import torch
 
 #: ``grad_sumsq(grads, sizes, batches, out) -> float`` (see _native.c), or None.
 grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None
+#: The same, given the parameters (it reads each ``.grad``): what the steady step calls, or None.
+param_grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None
 #: Why it is None, for the STATUS counters and the tests ("" when loaded).
 why_not = ""
 #: Batch dtypes the call converts to float32 itself (others take the copying path).
@@ -23,7 +25,7 @@ BATCH_DTYPES = frozenset({torch.float32, torch.float64, torch.int64, torch.int32
 
 
 def _load() -> None:
-    global grad_sumsq, why_not
+    global grad_sumsq, param_grad_sumsq, why_not
     if os.environ.get("GRADWATCH_NATIVE", "1").strip() == "0":
         why_not = "GRADWATCH_NATIVE=0"
         return
@@ -33,7 +35,7 @@ def _load() -> None:
         why_not = f"not built ({exc})"
         return
     _native.configure(torch.Tensor, torch.float32, torch.float64, torch.int64, torch.int32)
-    grad_sumsq = _native.grad_sumsq
+    grad_sumsq, param_grad_sumsq = _native.grad_sumsq, _native.param_grad_sumsq
 
 
 _load()

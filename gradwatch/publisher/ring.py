@@ -24,8 +24,10 @@ import mmap
 import os
 import platform
 import struct
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 MAGIC = 0x67776174_72696E67  # "gwatring"
 _HEADER = 320
@@ -35,6 +37,13 @@ _Q = struct.Struct("<Q")
 _L = struct.Struct("<I")
 _unpack_Q, _pack_Q, _pack_L = _Q.unpack_from, _Q.pack_into, _L.pack_into
 
+
+try:  # the same write in C, for a record in pieces (publisher/_native.c; optional, like the extension)
+    from gradwatch.publisher._native import ring_put as _ring_put  # type: ignore[attr-defined]
+except ImportError:
+    _ring_put = None
+if sys.byteorder != "little":
+    _ring_put = None  # it writes the length little-endian by hand, as "<I" does: keep to the tested case
 
 _FENCE_LOCK = threading.Lock()
 #: The CPU may reorder loads and stores against each other (anything but x86-64): take :func:`_fence`.
@@ -106,6 +115,14 @@ class Ring:
     def write(self, payload: bytes) -> bool:
         """Trainer -> sidecar. False (nothing written) when the record does not fit now."""
         return self._write(payload, self._fwd_at, self.fwd_cap, _FWD_W, _FWD_R)
+
+    def write_parts(self, parts: tuple[Any, ...]) -> bool:
+        """:meth:`write` of a record given in pieces (bytes-like, at most 8), without joining them first:
+        one C call where the extension is built (the native steady step's record: header, learning rates,
+        sums), else the join and :meth:`write`."""
+        if _ring_put is None:
+            return self.write(b"".join(parts))
+        return _ring_put(self._mm, self._fwd_at, self.fwd_cap, _FWD_W, _FWD_R, parts)
 
     def read(self, limit: int = 1 << 30) -> list[bytes]:
         """Sidecar: up to ``limit`` records the trainer wrote, oldest first."""

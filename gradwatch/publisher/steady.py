@@ -65,7 +65,7 @@ class SteadyStep:
         self.sizes = self.table.spec.sizes
         self._ntensors = len(self.sizes)  # a _NORMS record's slot field: how many sums follow
         #: the compiled pass over the gradients (:mod:`.native`), None to copy into a slot
-        self.native = native.grad_sumsq
+        self.native = native.param_grad_sumsq
         self.native_steps = 0  # steps whose norms travelled in the record (the viewer's ``native_steps``)
         self.armed = False  # also cleared in a forked child, at the fork (watcher._mark_forked)
         self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
@@ -121,10 +121,6 @@ class SteadyStep:
                     if not all(type(v) is float for v in key):
                         return False  # a tensor or an int learning rate
                     self._lr_key, self._lr_bytes, self._groups = key, struct.pack(f"<{len(key)}d", *key), len(key)
-        grads = list(map(_GRAD, self.params))
-        g0 = grads[0]
-        if g0 is None or g0.dtype not in _EXACT or grads[-1].dtype not in _EXACT:
-            return False
         entry = self._batch(inputs, targets)
         if entry is None:
             return False
@@ -148,15 +144,20 @@ class SteadyStep:
         clip = col._clip  # (set on this thread only: by the optimizer hook before this boundary)
         sq = -1.0
         fn = self.native
+        g0 = None
         if out is not None and fn is not None and not weights and (clip is None or type(clip[1]) is tuple):
             # one C pass over the gradients where they lie: no slot (native.py; -1: not for this step)
-            sq = fn(grads, self.sizes, () if not pick else (inputs,) if pick == 1 else (targets,) if pick == 2
+            sq = fn(self.params, self.sizes, () if not pick else (inputs,) if pick == 1 else (targets,) if pick == 2
                     else (inputs, targets), out)
         table = self.table
         if sq >= 0 or sq != sq:  # native: a total, or NaN/inf for something non-finite
             i = seq = -1
             finite = True
         else:
+            grads = list(map(_GRAD, self.params))
+            g0 = grads[0]
+            if g0 is None or g0.dtype not in _EXACT or grads[-1].dtype not in _EXACT:
+                return False
             got = table.acquire()
             if got is None or (detail and col.probe.update_ratio and not table.next_free()):
                 return False  # (a detail step keeps a second slot free for its settle)
@@ -190,7 +191,7 @@ class SteadyStep:
         w = self.w
         with w._lock:
             if b._watching_optimizer:
-                b._events_at_step, b._grad_at_step = b._events, id(g0)
+                b._events_at_step, b._grad_at_step = b._events, id(self.params[0].grad if g0 is None else g0)
             step = col.step
             col.step = step + 1
             col.published = pub + 1
@@ -201,12 +202,13 @@ class SteadyStep:
                     flags |= _LOSS
                 else:
                     loss_f = 0.0
-                payload = _pack(MARK, flags | _NORMS | (_CLIP if clip is not None else 0), self._groups,
-                                self._ntensors, step, _now(), 0, loss_f, n_in, n_t) + self._lr_bytes
-                if clip is not None:
-                    payload += _CLIP_AT.pack(clip[0], clip[1][0])
+                head = _pack(MARK, flags | _NORMS | (_CLIP if clip is not None else 0), self._groups, self._ntensors,
+                             step, _now(), 0, loss_f, n_in, n_t)
+                if clip is None:  # in pieces: the ring takes them without a joined copy (Ring.write_parts)
+                    payload = (head, self._lr_bytes, out)
+                else:
+                    payload = (head, self._lr_bytes, _CLIP_AT.pack(clip[0], clip[1][0]), out)
                     col._clip = None
-                payload += out
                 wflags = 0
                 self.native_steps += 1
             elif detail or values or (clip is not None and type(clip[1]) is not tuple):
