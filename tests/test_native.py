@@ -226,6 +226,17 @@ def test_ring_put_refuses_positions_outside_its_mapping(tmp_path: Path) -> None:
     r.close()
 
 
+def test_a_build_from_other_sources_is_not_used() -> None:
+    """An editable install keeps the .so it built; after a pull that changed _native.c the old one must not be
+    called with new arguments (scripts/_env.sh also rebuilds when _native.c changes)."""
+    code = ("import sys, types; m = types.ModuleType('gradwatch.publisher._native'); m.ABI = 1; "
+            "m.ring_put = m.grad_sumsq = m.param_grad_sumsq = print; sys.modules[m.__name__] = m; "
+            "from gradwatch.publisher import native as n, ring as r; "
+            "print(n.param_grad_sumsq is None and n.grad_sumsq is None and r._ring_put is None, n.why_not)")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == "True not built for this version (ABI 1, want 2)", out.stderr
+
+
 def test_gradwatch_native_0_turns_it_off_and_says_so() -> None:
     code = ("from gradwatch.publisher import native as n; "
             "print(n.grad_sumsq is None and n.param_grad_sumsq is None, n.why_not)")

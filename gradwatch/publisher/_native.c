@@ -24,6 +24,7 @@
  *   pieces, wrapping at the end of the ring, then the writer's position stored with release order (the
  *   reader sees all of the record or none of it, on any CPU). False when it does not fit now.
  */
+#define GRADWATCH_NATIVE_ABI 2 /* bump with any change of a function's arguments or answers (native.ABI too) */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -301,5 +302,11 @@ PyMODINIT_FUNC PyInit__native(void) {
         || !(s_is_contiguous = PyUnicode_InternFromString("is_contiguous"))
         || !(s_data_ptr = PyUnicode_InternFromString("data_ptr")) || !(s_grad = PyUnicode_InternFromString("grad")))
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    /* what native.py and ring.py check before they use it: a build left over from another source is not used */
+    if (m && PyModule_AddIntConstant(m, "ABI", GRADWATCH_NATIVE_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -14,12 +14,16 @@ from typing import Any, Callable
 
 import torch
 
+from gradwatch.publisher.ring import NATIVE_ABI
+
 #: ``grad_sumsq(grads, sizes, batches, out) -> float`` (see _native.c), or None.
 grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None
 #: The same, given the parameters (it reads each ``.grad``): what the steady step calls, or None.
 param_grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None
 #: Why it is None, for the STATUS counters and the tests ("" when loaded).
 why_not = ""
+#: The extension's interface this code expects (``ABI`` in _native.c): a build from other sources is not used.
+ABI = NATIVE_ABI
 #: Batch dtypes the call converts to float32 itself (others take the copying path).
 BATCH_DTYPES = frozenset({torch.float32, torch.float64, torch.int64, torch.int32})
 
@@ -33,6 +37,9 @@ def _load() -> None:
         from gradwatch.publisher import _native  # type: ignore[attr-defined]
     except ImportError as exc:  # not built (no compiler at install time), or built for another Python
         why_not = f"not built ({exc})"
+        return
+    if getattr(_native, "ABI", None) != ABI:  # a build from other sources (re-run the install to rebuild it)
+        why_not = f"not built for this version (ABI {getattr(_native, 'ABI', None)}, want {ABI})"
         return
     _native.configure(torch.Tensor, torch.float32, torch.float64, torch.int64, torch.int32)
     grad_sumsq, param_grad_sumsq = _native.grad_sumsq, _native.param_grad_sumsq

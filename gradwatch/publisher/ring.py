@@ -39,9 +39,12 @@ _unpack_Q, _pack_Q, _pack_L = _Q.unpack_from, _Q.pack_into, _L.pack_into
 
 
 try:  # the same write in C, for a record in pieces (publisher/_native.c; optional, like the extension)
-    from gradwatch.publisher._native import ring_put as _ring_put  # type: ignore[attr-defined]
+    from gradwatch.publisher import _native  # type: ignore[attr-defined]
 except ImportError:
-    _ring_put = None
+    _native = None
+#: The extension's interface this code expects (``ABI`` in _native.c): a build from other sources is not used.
+NATIVE_ABI = 2
+_ring_put = getattr(_native, "ring_put", None) if getattr(_native, "ABI", None) == NATIVE_ABI else None
 if sys.byteorder != "little":
     _ring_put = None  # it writes the length little-endian by hand, as "<I" does: keep to the tested case
 
