@@ -70,6 +70,7 @@ def test_a_fast_stepping_small_model_is_read_about_once_a_step(runtime: Path, mo
     (with it: two in ten, still several per 10 ms read at this speed)."""
     if not native_on:
         monkeypatch.setattr(native, "param_grad_sumsq", None)
+        monkeypatch.setattr(native, "grad_sumsq", None)
     got = _train(1.5)
     assert got["raw"] > 100  # steps went through the slots
     assert 0 < got["min_poll_us"] < POLL_S * 1e6  # several slot records per 10 ms read: the sidecar sped up

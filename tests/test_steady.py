@@ -20,6 +20,7 @@ from _fw import assert_same_measurements, small_convnet, small_mlp, steps_of
 
 torch.set_num_threads(1)
 _NATIVE = native.param_grad_sumsq  # None where the extension was not built: the steady step copies into slots
+_NATIVE_LIST = native.grad_sumsq  # (the clipped total's)
 
 
 def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch, *, loss_kind: str = "tensor",
@@ -30,6 +31,7 @@ def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch,
     every Step the viewer decodes, and the watcher's counters (steady steps served, native ones, raw steps)."""
     monkeypatch.setenv("GRADWATCH_STEADY", "1" if steady else "0")
     monkeypatch.setattr(native, "param_grad_sumsq", _NATIVE if native_on else None)
+    monkeypatch.setattr(native, "grad_sumsq", _NATIVE_LIST if native_on else None)
     model = small_convnet(seed, 3) if conv else small_mlp(seed, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)) if sched else None

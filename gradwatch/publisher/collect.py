@@ -61,8 +61,8 @@ class Collector:
 
     def measure_clip(self) -> None:
         """Explicit mode, on the clip cadence (``trouble.is_clip``): the total norm after the user's clipping,
-        before the update. With the raw hand-off, the raw path's own copy and dot (~25 us against ~110 us
-        of norms with caches cold)."""
+        before the update. With the raw hand-off, the native call's pass (or the raw path's own copy and dot,
+        ~25 us against ~110 us of norms with caches cold)."""
         step, self.clip_due = self.clip_due, None
         grads = [p.grad for p in self.probe.params]
         if self.raw is not None:

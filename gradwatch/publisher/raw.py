@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradwatch.publisher import native
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
@@ -54,6 +55,7 @@ class RawHandoff:
         self._wviews = [self._tensor_views(s, spec.n) for s in self._slots]
         self._data_views: list[dict[tuple[Any, ...], list[torch.Tensor]]] = [{} for _ in range(spec.k)]
         self._scratch: torch.Tensor | None = None  # the clipped total's copy (sumsq)
+        self._sums: bytearray | None = None  # the native call's sums for it
         self._scratch_views: list[torch.Tensor] = []
 
     def _tensor_views(self, slot: torch.Tensor, pos: int) -> list[torch.Tensor]:
@@ -96,10 +98,18 @@ class RawHandoff:
 
 
     def sumsq(self, grads: list[Any]) -> float | None:
-        """The float32 sum of squares of ``grads`` (the clipped total, :meth:`.Collector.measure_clip`), through
-        a private copy like a slot's; None when they do not fit the slots' layout (a missing gradient)."""
+        """The sum of squares of ``grads`` (the clipped total, :meth:`.Collector.measure_clip`): read in place by
+        the native call where it can (float64, :mod:`.native`), else the float32 dot of a private copy like a
+        slot's; None when they do not fit the slots' layout (a missing gradient)."""
         if any(g is None for g in grads) or grads[0].dtype not in _EXACT:
             return None
+        fn = native.grad_sumsq
+        if fn is not None:
+            if self._sums is None:
+                self._sums = bytearray(8 * len(self.spec.sizes))
+            sq = fn(grads, self.spec.sizes, (), self._sums)
+            if sq >= 0 or sq != sq:  # -1: not one it can read (bf16, a strided gradient): the copy below
+                return sq
         if self._scratch is None:
             self._scratch = torch.empty(self.spec.n)
             self._scratch_views = self._tensor_views(self._scratch, 0)
