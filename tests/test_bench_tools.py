@@ -53,7 +53,7 @@ def test_statements_script_times_the_steady_step_line_by_line(runtime: Path) -> 
     timed = [ln for ln in lines[1:-1] if re.match(r"\s*\d+\.\d\d us  n=\s*\d+  L\d+: ", ln)]
     assert len(timed) > 20, r.stdout
     # the compound statement of the native call (or, without the extension, of the copy into a slot)
-    assert any(re.search(r"L\d+: if out is not None and fn is not None", ln) for ln in timed), r.stdout
+    assert any(re.search(r"L\d+: if outs is not None and fn is not None", ln) for ln in timed), r.stdout
 
 
 def test_statements_script_rejects_a_bad_target(runtime: Path) -> None:

@@ -234,12 +234,99 @@ def test_a_build_from_other_sources_is_not_used() -> None:
             "from gradwatch.publisher import native as n, ring as r; "
             "print(n.param_grad_sumsq is None and n.grad_sumsq is None and r._ring_put is None, n.why_not)")
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.stdout.strip() == "True not built for this version (ABI 1, want 2)", out.stderr
+    assert out.stdout.strip() == "True not built for this version (ABI 1, want 3)", out.stderr
+
+
+def _model_with_grads(seed: int) -> list[torch.nn.Parameter]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model(torch.randn(8, 5)).square().sum().backward()
+    return list(model.parameters())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_detail_pass_gives_torchs_norms_and_max_abs_and_keeps_the_weights(seed: int) -> None:
+    params = _model_with_grads(seed)
+    sizes = tuple(p.numel() for p in params)
+    n, y = len(params), torch.randint(0, 3, (8,))
+    out, snap = bytearray(24 * n + 32), bytearray(4 * sum(sizes))
+    total = native.weight_pass(params, sizes, (y,), out, snap, False)
+    gsq, gmax, wsq = (np.frombuffer(out, dtype=np.float64, count=n, offset=8 * j * n) for j in range(3))
+    assert gsq == pytest.approx([float(p.grad.double().square().sum()) for p in params], rel=1e-12)
+    assert gmax.tolist() == [float(p.grad.abs().max()) for p in params]
+    assert wsq == pytest.approx([float(p.detach().double().square().sum()) for p in params], rel=1e-12)
+    assert total == pytest.approx(float(gsq.sum()), rel=1e-12)
+    assert bytes(snap) == torch.cat([p.detach().reshape(-1) for p in params]).numpy().tobytes()
+    assert np.frombuffer(out, dtype=np.float32, offset=24 * n).tolist() == y.float().tolist()
+    # the update after an optimizer step, against that snapshot: each difference a float32 subtraction
+    old = [p.detach().clone() for p in params]
+    torch.optim.SGD(params, lr=0.1).step()
+    settle = bytearray(16 * n + 32)
+    assert native.weight_pass(params, sizes, (y,), settle, snap, True) == pytest.approx(total, rel=1e-12)
+    dsq = np.frombuffer(settle, dtype=np.float64, count=n, offset=8 * n)
+    assert dsq == pytest.approx([float((o - p.detach()).double().square().sum()) for o, p in zip(old, params)],
+                                rel=1e-12)
+
+
+def test_the_weight_pass_refuses_what_it_cannot_read_and_flags_a_non_finite_weight() -> None:
+    params = _model_with_grads(3)
+    sizes = tuple(p.numel() for p in params)
+    n = len(params)
+    out, snap = bytearray(24 * n), bytearray(4 * sum(sizes))
+    wp = native.weight_pass
+    assert wp(params, sizes, (), out, None, False) >= 0  # no snapshot asked for (update ratios off)
+    assert wp(params, sizes, (), bytearray(16 * n), None, True) == -1.0  # a settle needs the snapshot
+    assert wp(params, sizes, (), out, bytearray(8), False) == -1.0  # a snapshot of another size
+    assert wp(params, (*sizes[:-1], 4), (), out, snap, False) == -1.0
+    assert wp(params, sizes, (), bytearray(24 * n - 8), snap, False) == -1.0
+    sub = type("MyParam", (torch.nn.Parameter,), {})(torch.zeros(3))
+    sub.grad = torch.zeros(3)
+    assert wp([sub], (3,), (), bytearray(24), None, False) == -1.0  # a Parameter subclass
+    plain = [p.detach() for p in params]  # exact tensors are fine as weights, but have no gradient
+    assert wp(plain, sizes, (), out, None, False) == -1.0
+    params[1].grad = None
+    assert wp(params, sizes, (), out, None, False) == -1.0
+    params = _model_with_grads(3)
+    with torch.no_grad():
+        params[2][1, 4] = math.inf
+    assert math.isnan(wp(params, sizes, (), out, None, False)) or not math.isfinite(wp(params, sizes, (), out, None, False))
+
+
+def test_the_sidecar_settles_a_native_snapshot_from_the_trainers_update_norms() -> None:
+    """A native detail step leaves the weights with the trainer and their norms with the sidecar; the next
+    step's update norms settle them -- as the next step's or as a settle-only record's ratio -- and a
+    settle through a slot after it gets none (never a ratio against an older snapshot)."""
+    from gradwatch.publisher.segments import update_ratio
+    from gradwatch.publisher.slots import W_DETAIL, W_ONLY, W_SETTLE, W_SNAP
+
+    spec = SlotSpec(2, (6, 2))
+    reader = SlotReader(spec, bytearray(spec.nbytes), 0)
+    sums = np.array([4.0, 1.0, 0.5, 2.0, 9.0, 16.0])  # gsq, gmax, wsq for 2 tensors
+    values = {"native": sums.tobytes()}
+    meta: dict[str, object] = {}
+    reader.inline(values, meta, [], 7, W_DETAIL | W_SNAP)
+    assert np.frombuffer(values["wn"], dtype=np.float32).tolist() == [3.0, 4.0]
+    assert np.frombuffer(values["gmax"], dtype=np.float32).tolist() == [0.5, 2.0] and meta["wnf"] == {}
+    dwn = np.array([0.3, 0.0], dtype=np.float32).tobytes()
+    settle = {"gn": np.ones(2, np.float32).tobytes(), "dwn": dwn}
+    meta = {}
+    reader.inline(settle, meta, [], 8, W_SETTLE)
+    assert settle["ur"] == update_ratio(np.frombuffer(dwn, dtype=np.float32), np.array([3, 4], np.float32)).tobytes()
+    assert meta["ur_step"] == 7 and "dwn" not in settle
+    reader.inline({"native": sums.tobytes()}, {}, [], 9, W_DETAIL | W_SNAP)
+    only: dict[str, bytes] = {"dwn": dwn}
+    reader.inline(only, {}, [], 10, W_SETTLE | W_ONLY)
+    assert reader.pending_ur is not None and reader.pending_ur[1] == 9
+    reader.inline({"native": sums.tobytes()}, {}, [], 11, W_DETAIL | W_SNAP)
+    through_slot: dict[str, bytes] = {}
+    meta = {}
+    reader.reduce(0, 1, [], meta, through_slot, 12, W_SETTLE)
+    assert "ur" not in through_slot and "ur_step" not in meta
 
 
 def test_gradwatch_native_0_turns_it_off_and_says_so() -> None:
     code = ("from gradwatch.publisher import native as n; "
-            "print(n.grad_sumsq is None and n.param_grad_sumsq is None, n.why_not)")
+            "print(n.grad_sumsq is None and n.param_grad_sumsq is None and n.weight_pass is None, n.why_not)")
     env = {**os.environ, "GRADWATCH_NATIVE": "0"}
     out = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == "True GRADWATCH_NATIVE=0", out.stderr

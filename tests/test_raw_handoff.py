@@ -94,6 +94,7 @@ def test_a_stalled_sidecar_holds_its_slots_and_the_trainer_takes_the_ordinary_pa
     if not native_on:
         monkeypatch.setattr(native, "param_grad_sumsq", None)
         monkeypatch.setattr(native, "grad_sumsq", None)
+        monkeypatch.setattr(native, "weight_pass", None)
     model = _mlp(0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     gw = gradwatch.watch(model, opt, announce=False, diagnose=False)

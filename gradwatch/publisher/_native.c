@@ -18,13 +18,18 @@
  *   returns the total sum of squares (>= 0) when every gradient and batch value is finite; NaN or inf when
  *   one is not (sums in float64: a finite float32 squared cannot overflow them); -1.0 when not eligible.
  * param_grad_sumsq(params: list, ...): the same, reading each parameter's .grad (no list built in Python).
+ * weight_pass(params, sizes, batches, out, snap, settle) -> float: a detail step's or a settle's pass. out:
+ *   per tensor the gradient's sum of squares, then (detail) its max |g| and the weight's sum of squares, the
+ *   weights copied into snap (float32, all tensors in order; snap may be None), or (settle) the sum of
+ *   squares of snap - weight (the update since the detail step, each difference rounded to float32 as a
+ *   float32 subtraction would); then the batches. Answers as grad_sumsq, NaN/inf also for a weight.
  *
  * ring_put(mm, base, cap, w_at, r_at, parts: tuple) -> bool: ring.py's Ring._write of one record given in
  *   pieces (no concatenated copy, no Python statements per record): the 4-byte little-endian length, the
  *   pieces, wrapping at the end of the ring, then the writer's position stored with release order (the
  *   reader sees all of the record or none of it, on any CPU). False when it does not fit now.
  */
-#define GRADWATCH_NATIVE_ABI 2 /* bump with any change of a function's arguments or answers (native.ABI too) */
+#define GRADWATCH_NATIVE_ABI 3 /* bump with any change of a function's arguments or answers (native.ABI too) */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -32,7 +37,7 @@
 #include <string.h>
 
 static PyObject *s_dtype, *s_is_cpu, *s_nbytes, *s_is_contiguous, *s_data_ptr;
-static PyObject *tensor_type, *dt_f32, *dt_f64, *dt_i64, *dt_i32;
+static PyObject *tensor_type, *param_type, *dt_f32, *dt_f64, *dt_i64, *dt_i32;
 static int have_avx2;
 
 typedef double v4d __attribute__((vector_size(32)));
@@ -87,10 +92,11 @@ static double sumsq_plain(const float *x, Py_ssize_t n) {  /* SSE2, the x86-64 b
  * allowed ones and `nbytes` bytes (0 = any; then *nb gets them); NULL otherwise (any error cleared). */
 static const void *tensor_data(PyObject *t, PyObject **dt, int batch, Py_ssize_t want, Py_ssize_t *nb) {
     PyObject *o;
-    if ((PyObject *)Py_TYPE(t) != tensor_type) return NULL;
+    /* a parameter itself (batch == 2: exactly nn.Parameter, whose data is the tensor's own) or a tensor */
+    if ((PyObject *)Py_TYPE(t) != tensor_type && !(batch == 2 && (PyObject *)Py_TYPE(t) == param_type)) return NULL;
     if (!(o = PyObject_GetAttr(t, s_dtype))) goto error;
     Py_DECREF(o);  /* the dtype objects are torch's singletons: a borrowed identity is enough */
-    if (!(o == dt_f32 || (batch && (o == dt_f64 || o == dt_i64 || o == dt_i32)))) return NULL;
+    if (!(o == dt_f32 || (batch == 1 && (o == dt_f64 || o == dt_i64 || o == dt_i32)))) return NULL;
     *dt = o;
     if (!(o = PyObject_GetAttr(t, s_is_cpu))) goto error;
     Py_DECREF(o);
@@ -114,6 +120,7 @@ error:
 }
 
 static PyObject *s_grad;
+static int put_batches(PyObject *batches, char *at, char *end, int *finite);
 
 static PyObject *sumsq_common(PyObject *const *args, Py_ssize_t nargs, int via_grad) {
     if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[2])) {
@@ -163,15 +170,23 @@ static PyObject *sumsq_common(PyObject *const *args, Py_ssize_t nargs, int via_g
         memcpy(sums + k * sizeof(double), &s, sizeof s);  /* any alignment */
         total += s;
     }
-    char *at = (char *)view.buf + n * sizeof(double);
-    char *end = (char *)view.buf + view.len;
+    if (!put_batches(batches, (char *)view.buf + n * sizeof(double), (char *)view.buf + view.len, &finite)) goto done;
+    result = finite ? total : NAN;
+done:
+    PyBuffer_Release(&view);
+    return PyFloat_FromDouble(result);
+}
+
+/* Every batch value as float32 from `at` on, exactly filling up to `end`; 0 when a batch is not readable or
+ * the space is another size. *finite is cleared by a value that is not. */
+static int put_batches(PyObject *batches, char *at, char *end, int *finite) {
     for (Py_ssize_t b = 0; b < PyTuple_GET_SIZE(batches); b++) {
         PyObject *dt;
         Py_ssize_t nb;
         const void *p = tensor_data(PyTuple_GET_ITEM(batches, b), &dt, 1, 0, &nb);
-        if (!p) goto done;
+        if (!p) return 0;
         Py_ssize_t count = nb / (dt == dt_f32 || dt == dt_i32 ? 4 : 8);
-        if (count * 4 > end - at) goto done;
+        if (count * 4 > end - at) return 0;
         float *o = (float *)at;
         if (dt == dt_f32) {
             memcpy(o, p, count * 4);
@@ -182,14 +197,10 @@ static PyObject *sumsq_common(PyObject *const *args, Py_ssize_t nargs, int via_g
         } else {
             for (Py_ssize_t i = 0; i < count; i++) o[i] = (float)((const int32_t *)p)[i];
         }
-        for (Py_ssize_t i = 0; i < count; i++) finite &= isfinite(o[i]) != 0;
+        for (Py_ssize_t i = 0; i < count; i++) *finite &= isfinite(o[i]) != 0;
         at += count * 4;
     }
-    if (at != end) goto done;  /* the buffer is sized for these batches: anything else is another shape */
-    result = finite ? total : NAN;
-done:
-    PyBuffer_Release(&view);
-    return PyFloat_FromDouble(result);
+    return at == end;  /* the buffer is sized for these batches: anything else is another shape */
 }
 
 static PyObject *grad_sumsq(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -200,6 +211,154 @@ static PyObject *grad_sumsq(PyObject *self, PyObject *const *args, Py_ssize_t na
 static PyObject *param_grad_sumsq(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     return sumsq_common(args, nargs, 1);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+/* AVX2 versions of the two loops below (a NaN's max-abs does not matter: the step's total is NaN then) */
+__attribute__((target("avx2,fma"))) static double maxabs_avx2(const float *x, Py_ssize_t n) {
+    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        m0 = _mm256_max_ps(m0, _mm256_and_ps(_mm256_loadu_ps(x + i), mask));
+        m1 = _mm256_max_ps(m1, _mm256_and_ps(_mm256_loadu_ps(x + i + 8), mask));
+    }
+    float t[8];
+    _mm256_storeu_ps(t, _mm256_max_ps(m0, m1));
+    float m = 0.0f;
+    for (int j = 0; j < 8; j++) m = t[j] > m ? t[j] : m;
+    for (; i < n; i++) {
+        float a = fabsf(x[i]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+__attribute__((target("avx2,fma"))) static double diffsq_avx2(const float *a, const float *b, Py_ssize_t n) {
+    __m256d r0 = _mm256_setzero_pd(), r1 = _mm256_setzero_pd(), r2 = _mm256_setzero_pd(), r3 = _mm256_setzero_pd();
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 d = _mm256_sub_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));  /* float32, as numpy's */
+        __m256 e = _mm256_sub_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8));
+        __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
+        __m256d e0 = _mm256_cvtps_pd(_mm256_castps256_ps128(e)), e1 = _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1));
+        r0 = _mm256_fmadd_pd(d0, d0, r0);
+        r1 = _mm256_fmadd_pd(d1, d1, r1);
+        r2 = _mm256_fmadd_pd(e0, e0, r2);
+        r3 = _mm256_fmadd_pd(e1, e1, r3);
+    }
+    double t[4];
+    _mm256_storeu_pd(t, _mm256_add_pd(_mm256_add_pd(r0, r1), _mm256_add_pd(r2, r3)));
+    double r = (t[0] + t[1]) + (t[2] + t[3]);
+    for (; i < n; i++) {
+        double d = (float)(a[i] - b[i]);
+        r += d * d;
+    }
+    return r;
+}
+#else
+#define maxabs_avx2 maxabs_f32
+#define diffsq_avx2 diffsq_f32
+#endif
+
+static double maxabs_f32(const float *x, Py_ssize_t n) {
+    float m = 0.0f;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+static double diffsq_f32(const float *a, const float *b, Py_ssize_t n) {
+    double r0 = 0, r1 = 0, r2 = 0, r3 = 0;
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        double d0 = (float)(a[i] - b[i]), d1 = (float)(a[i + 1] - b[i + 1]);
+        double d2 = (float)(a[i + 2] - b[i + 2]), d3 = (float)(a[i + 3] - b[i + 3]);
+        r0 += d0 * d0; r1 += d1 * d1; r2 += d2 * d2; r3 += d3 * d3;
+    }
+    for (; i < n; i++) {
+        double d = (float)(a[i] - b[i]);
+        r0 += d * d;
+    }
+    return (r0 + r1) + (r2 + r3);
+}
+
+static PyObject *weight_pass(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "weight_pass(params: list, sizes: tuple, batches: tuple, out, snap, settle)");
+        return NULL;
+    }
+    if (!tensor_type || !param_type) {
+        PyErr_SetString(PyExc_RuntimeError, "weight_pass: configure() first");
+        return NULL;
+    }
+    PyObject *params = args[0], *sizes = args[1];
+    int settle = PyObject_IsTrue(args[5]);
+    if (settle < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(params), per = settle ? 2 : 3, all = 0;
+    Py_buffer view, snap = {0};
+    int have_snap = args[4] != Py_None;
+    if (PyObject_GetBuffer(args[3], &view, PyBUF_WRITABLE) < 0) return NULL;
+    if (have_snap && PyObject_GetBuffer(args[4], &snap, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    double result = -1.0, total = 0.0;
+    int finite = 1;
+    if (PyTuple_GET_SIZE(sizes) != n || view.len < (Py_ssize_t)(per * n * sizeof(double)) || (settle && !have_snap))
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, k));
+        if (size <= 0 || size > PY_SSIZE_T_MAX / 4 - all) {
+            PyErr_Clear();
+            goto done;
+        }
+        all += size;
+    }
+    if (have_snap && snap.len != all * 4) goto done;
+    char *o = (char *)view.buf;
+    float *sn = have_snap ? (float *)snap.buf : NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *p = PyList_GET_ITEM(params, k), *dt;
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, k)), nb;
+        const float *w = tensor_data(p, &dt, 2, size * 4, &nb);
+        if (!w) goto done;
+        PyObject *g = PyObject_GetAttr(p, s_grad);
+        if (!g) {
+            PyErr_Clear();
+            goto done;
+        }
+        const float *gp = tensor_data(g, &dt, 0, size * 4, &nb);
+        double v[3];
+        if (gp) {
+            v[0] = have_avx2 ? sumsq_avx2(gp, size) : sumsq_plain(gp, size);
+            if (settle) {
+                v[1] = have_avx2 ? diffsq_avx2(sn, w, size) : diffsq_f32(sn, w, size);
+            } else {
+                v[1] = have_avx2 ? maxabs_avx2(gp, size) : maxabs_f32(gp, size);
+                v[2] = have_avx2 ? sumsq_avx2(w, size) : sumsq_plain(w, size);
+                if (sn) memcpy(sn, w, size * 4);
+            }
+        }
+        Py_DECREF(g);  /* the gradient is the parameter's: alive until here, read by now */
+        if (!gp) goto done;
+        for (Py_ssize_t j = 0; j < per; j++) {
+            memcpy(o + (j * n + k) * sizeof(double), &v[j], sizeof(double));
+            if (j) finite &= isfinite(v[j]) != 0;
+        }
+        total += v[0];
+        if (sn) sn += size;
+    }
+    if (!put_batches(args[2], o + per * n * sizeof(double), o + view.len, &finite)) goto done;
+    result = finite ? total : NAN;
+done:
+    if (have_snap) PyBuffer_Release(&snap);
+    PyBuffer_Release(&view);
+    return PyFloat_FromDouble(result);
 }
 
 static void ring_copy(char *ring, Py_ssize_t cap, Py_ssize_t off, const char *src, Py_ssize_t n) {
@@ -261,12 +420,12 @@ out:
 }
 
 static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "configure(Tensor, float32, float64, int64, int32)");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "configure(Tensor, Parameter, float32, float64, int64, int32)");
         return NULL;
     }
-    PyObject **slots[5] = {&tensor_type, &dt_f32, &dt_f64, &dt_i64, &dt_i32};
-    for (int i = 0; i < 5; i++) {
+    PyObject **slots[6] = {&tensor_type, &param_type, &dt_f32, &dt_f64, &dt_i64, &dt_i32};
+    for (int i = 0; i < 6; i++) {
         Py_INCREF(args[i]);
         Py_XSETREF(*slots[i], args[i]);
     }
@@ -282,10 +441,12 @@ static PyMethodDef methods[] = {
      "grad_sumsq(grads, sizes, batches, out) -> total sum of squares, NaN/inf if non-finite, -1.0 if not eligible"},
     {"param_grad_sumsq", (PyCFunction)(void (*)(void))param_grad_sumsq, METH_FASTCALL,
      "param_grad_sumsq(params, sizes, batches, out): grad_sumsq of each parameter's .grad"},
+    {"weight_pass", (PyCFunction)(void (*)(void))weight_pass, METH_FASTCALL,
+     "weight_pass(params, sizes, batches, out, snap, settle): a detail step's or a settle's pass"},
     {"ring_put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
      "ring_put(mm, base, cap, w_at, r_at, parts) -> bool: one record into a ring of ring.py"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
-     "configure(torch.Tensor, float32, float64, int64, int32): the types grad_sumsq reads"},
+     "configure(torch.Tensor, nn.Parameter, float32, float64, int64, int32): the types the passes read"},
     {"simd", simd, METH_NOARGS, "which kernel runs: 'avx2' or 'baseline'"},
     {NULL, NULL, 0, NULL}};
 

@@ -20,6 +20,8 @@ from gradwatch.publisher.ring import NATIVE_ABI
 grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None
 #: The same, given the parameters (it reads each ``.grad``): what the steady step calls, or None.
 param_grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None
+#: ``weight_pass(params, sizes, batches, out, snap, settle) -> float``: a detail step's or its settle's pass.
+weight_pass: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any, Any, bool], float] | None = None
 #: Why it is None, for the STATUS counters and the tests ("" when loaded).
 why_not = ""
 #: The extension's interface this code expects (``ABI`` in _native.c): a build from other sources is not used.
@@ -29,7 +31,7 @@ BATCH_DTYPES = frozenset({torch.float32, torch.float64, torch.int64, torch.int32
 
 
 def _load() -> None:
-    global grad_sumsq, param_grad_sumsq, why_not
+    global grad_sumsq, param_grad_sumsq, weight_pass, why_not
     if os.environ.get("GRADWATCH_NATIVE", "1").strip() == "0":
         why_not = "GRADWATCH_NATIVE=0"
         return
@@ -41,8 +43,8 @@ def _load() -> None:
     if getattr(_native, "ABI", None) != ABI:  # a build from other sources (re-run the install to rebuild it)
         why_not = f"not built for this version (ABI {getattr(_native, 'ABI', None)}, want {ABI})"
         return
-    _native.configure(torch.Tensor, torch.float32, torch.float64, torch.int64, torch.int32)
-    grad_sumsq, param_grad_sumsq = _native.grad_sumsq, _native.param_grad_sumsq
+    _native.configure(torch.Tensor, torch.nn.Parameter, torch.float32, torch.float64, torch.int64, torch.int32)
+    grad_sumsq, param_grad_sumsq, weight_pass = _native.grad_sumsq, _native.param_grad_sumsq, _native.weight_pass
 
 
 _load()

@@ -17,6 +17,7 @@ import operator
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from gradwatch.publisher import native
@@ -54,6 +55,11 @@ class RawHandoff:
         self._views = [self._tensor_views(s, 0) for s in self._slots]
         self._wviews = [self._tensor_views(s, spec.n) for s in self._slots]
         self._data_views: list[dict[tuple[Any, ...], list[torch.Tensor]]] = [{} for _ in range(spec.k)]
+        #: the weights of the last detail step the native pass took (:mod:`.native`, ``weight_pass``): its
+        #: snapshot stays here, not in the sidecar; ``native_snap`` is that step
+        self.wsnap: bytearray | None = None
+        self.native_snap = -1
+        self._settle_out: bytearray | None = None
         self._scratch: torch.Tensor | None = None  # the clipped total's copy (sumsq)
         self._sums: bytearray | None = None  # the native call's sums for it
         self._scratch_views: list[torch.Tensor] = []
@@ -116,6 +122,22 @@ class RawHandoff:
         with torch.no_grad():
             torch._foreach_copy_(self._scratch_views, grads)
         return torch.dot(self._scratch, self._scratch).item()
+
+    def native_dwn(self, step: int) -> bytes | None:
+        """When the last step's snapshot is the native pass's (kept here): the float32 norms of each weight's
+        update since then, for the sidecar's update ratio; None when it is the sidecar's (or cannot be read:
+        that step gets no ratio, as a settle whose snapshot was dropped)."""
+        fn = native.weight_pass
+        if fn is None or self.native_snap != step - 1 or self.wsnap is None:
+            return None
+        n = len(self.spec.sizes)
+        if self._settle_out is None:
+            self._settle_out = bytearray(16 * n)
+        if fn(self.params, self.spec.sizes, (), self._settle_out, self.wsnap, True) == -1.0:
+            return None  # (NaN answers: a gradient or weight is not finite; the update's norms still count)
+        dsq = np.frombuffer(self._settle_out, dtype=np.float64, count=n, offset=8 * n)
+        with np.errstate(all="ignore"):
+            return np.sqrt(dsq).astype(np.float32).tobytes()
 
     def load_weights(self, slot: int) -> None:
         """Only the weights (a settle-only record), grad mode off."""
@@ -205,6 +227,10 @@ def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any
             meta["opt"] = hyper
         col.probe.updates(parts, meta)
         col.take_clip(parts, meta)
+        if settle:
+            dwn = raw.native_dwn(step)  # the snapshot is the native pass's: the update's norms go with the record
+            if dwn is not None:
+                parts.values["dwn"] = dwn
         payload = pack([RAW, step, ts, slot, seq, meta, parts.values, data, wflags])
     if clip and explicit and col.measure_clips and col.optimizer is not None:
         col.clip_due = step
@@ -219,6 +245,11 @@ def settle_only(col: Collector, step: int) -> None:
     """``col``'s step goes the ordinary way, but the sidecar holds the last step's weight snapshot: send the
     weights alone (the slot was kept free for this), so its update ratio is not lost."""
     raw = col.raw
+    if raw is not None and col.raw_submit is not None and raw.native_snap == step - 1:
+        dwn = raw.native_dwn(step)  # the native pass kept the snapshot: its update's norms, no slot
+        if dwn is not None:
+            col.raw_submit(pack([RAW, step, time.time(), -1, 0, {}, {"dwn": dwn}, [], W_SETTLE | W_ONLY]))
+        return
     got = raw.table.acquire() if raw is not None and col.raw_submit is not None else None
     if got is None:
         return

@@ -118,8 +118,8 @@ class Sidecar:
             self.bad_records += 1
             return
         try:
-            if slot < 0:  # the native steady step: everything is in the record (slots._NORMS)
-                self.slots.inline(values)
+            if slot < 0:  # the native steady step: everything is in the record (slots._NORMS, native detail)
+                self.slots.inline(values, meta, data, step, wflags)
             else:
                 self.slots.reduce(slot, seq, data, meta, values, step, wflags)
         except (ValueError, TypeError, IndexError):

@@ -163,13 +163,48 @@ class SlotReader:
         if ur is not None and "ur_step" not in meta:
             values["ur"], meta["ur_step"] = ur
 
-    def inline(self, values: dict[str, bytes]) -> None:
-        """A step that travelled whole in its record (``_NORMS``: no slot, no weights): ValueError when its
-        norms are not one per tensor; else the snapshot state moves as :meth:`reduce` moves it for a plain step."""
-        if len(values.get("gn", b"")) != 4 * len(self.spec.sizes):
+    def inline(self, values: dict[str, bytes], meta: dict[str, Any] | None = None, data: list[Any] | None = None,
+               step: int = 0, wflags: int = 0) -> None:
+        """A step that travelled whole in its record (no slot: the native passes, :mod:`.native`). A detail
+        step's record (``values["native"]``: gradient sums, max-abs and weight sums, then the batches)
+        becomes its norms, max-abs, weight norms and batch statistics, and with ``W_SNAP`` its weight norms
+        are kept as the snapshot's (its weights stay with the trainer); a settle (``W_SETTLE``, with the
+        norms of its update in ``values["dwn"]``) gets its update ratio against them, and with ``W_ONLY``
+        (the step itself went the ordinary way) keeps it for the next step sent, as :meth:`reduce` does.
+        ValueError when the norms are not one per tensor."""
+        meta = {} if meta is None else meta
+        n = len(self.spec.sizes)
+        if wflags & W_ONLY:
+            self._settle(values, meta, wflags)
+            if "ur" in values:
+                self.pending_ur = (values["ur"], int(meta["ur_step"]))
+            return
+        blob = values.pop("native", None)
+        if blob is not None:  # a detail step
+            _, gmax, wsq = native_values(blob, 0, n, 3, data or [], meta, values)
+            values["gmax"] = gmax.astype(np.float32).tobytes()  # |g| of float32 values: exact in float32
+            values["wn"] = _norms(wsq)
+            meta["wnf"] = {}
+        if len(values.get("gn", b"")) != 4 * n:
             raise ValueError("a record's norms for another model")
         self.pending_ur = None
-        self._snap_wn = None
+        self._settle(values, meta, wflags)
+        if blob is not None and wflags & W_SNAP:
+            self._snap_wn, self._snap_step = np.frombuffer(values["wn"], dtype=np.float32).copy(), step
+            self._snap = None  # the slot snapshot is not this one: a settle through a slot gets no ratio
+
+    def _settle(self, values: dict[str, bytes], meta: dict[str, Any], wflags: int) -> bool:
+        """The update ratio from the trainer's norms of the update (``values["dwn"]``, the native pass kept the
+        snapshot) and the snapshot's weight norms kept here; the snapshot is settled (or dropped) either way.
+        True when ``dwn`` was there."""
+        snap_wn, self._snap_wn = self._snap_wn, None
+        dwn = values.pop("dwn", None)
+        if dwn is None:
+            return False
+        if wflags & W_SETTLE and snap_wn is not None and len(dwn) == 4 * len(self.spec.sizes):
+            values["ur"] = update_ratio(np.frombuffer(dwn, dtype=np.float32), snap_wn).tobytes()
+            meta["ur_step"] = self._snap_step
+        return True
 
     def reduce(self, i: int, seq: int, data: list[Any], meta: dict[str, Any], values: dict[str, bytes],
                step: int = 0, wflags: int = 0) -> None:
@@ -205,7 +240,10 @@ class SlotReader:
 
     def _weight_stats(self, i: int, meta: dict[str, Any], values: dict[str, bytes], step: int, wflags: int) -> None:
         w = self._weights[i]
-        snap_wn, self._snap_wn = self._snap_wn, None
+        snap_wn = self._snap_wn
+        if self._settle(values, meta, wflags):  # the native pass kept this snapshot: the trainer sent the update
+            snap_wn = None
+        self._snap_wn = None
         if wflags & W_SETTLE and snap_wn is not None and self._snap is not None:
             if self._dw is None:
                 self._dw = Segments(np.empty(self.spec.n, dtype=np.float32), list(self.spec.sizes))
@@ -263,7 +301,8 @@ def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], li
     """(step, ts, slot, seq, meta, data, wflags, values) of :func:`encode_raw`'s record, or of the steady
     step's, which may set ``_SETTLE``, ``_CLIP`` and ``_NORMS``; ValueError when malformed. A ``_NORMS``
     record has no slot (-1): its gradient norms, non-finite counts (none) and batch statistics are in
-    ``values``/``meta`` already."""
+    ``values``/``meta`` already, and with ``_SETTLE`` the norms of its update as ``values["dwn"]`` (the
+    update ratio needs the snapshot's weight norms, which the :class:`SlotReader` holds)."""
     values: dict[str, bytes] = {}
     meta: dict[str, Any] = {}
     try:
@@ -274,44 +313,54 @@ def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], li
             clip_step, clip = _CLIP_AT.unpack_from(payload, at)
             meta["clip_step"], values["clip"] = clip_step, struct.pack("<f", clip)
             at += _CLIP_AT.size
-        if flags & _NORMS:
-            _inline(payload, at, slot, flags, n_in, n_t, meta, values)
-            slot = -1
     except struct.error as exc:
         raise ValueError(f"malformed raw record: {exc}") from None
-    if flags & _LOSS:
-        meta["loss"] = loss
-    if groups:
-        meta["opt"] = [{"lr": v} for v in lrs]
     data: list[list[Any]] = []
     if flags & _IN:
         data.append(["inputs", n_in, 1 if flags & _IN_INT else 0])
     if flags & _TGT:
         data.append(["targets", n_t, 1 if flags & _TGT_INT else 0])
+    if flags & _NORMS:
+        sums = native_values(payload, at, slot, 2 if flags & _SETTLE else 1, data, meta, values)
+        if flags & _SETTLE:
+            values["dwn"] = _norms(sums[1])
+        slot = -1
+    if flags & _LOSS:
+        meta["loss"] = loss
+    if groups:
+        meta["opt"] = [{"lr": v} for v in lrs]
     return step, ts, slot, seq, meta, data, W_SETTLE if flags & _SETTLE else 0, values
 
 
-def _inline(payload: bytes, at: int, tensors: int, flags: int, n_in: int, n_t: int, meta: dict[str, Any],
-            values: dict[str, bytes]) -> None:
-    """A ``_NORMS`` record's step from its own bytes: the norms (float32 of the float64 root, inf beyond
-    float32's range, as :func:`.segments.exact_nonfinite` reports an overflow) and the batch statistics
-    (the functions the slot's batches go through)."""
-    counts = [n for n, f in ((n_in, _IN), (n_t, _TGT)) if flags & f]
-    if not 0 < tensors <= RAW_MAX or any(not 0 < n <= DATA_MAX for n in counts):
-        raise ValueError("malformed raw record: sizes out of range")
-    if len(payload) != at + 8 * tensors + 4 * sum(counts):
-        raise ValueError(f"malformed raw record: {len(payload)} bytes for {tensors} tensors and {sum(counts)} values")
-    sums = np.frombuffer(payload, dtype=np.float64, count=tensors, offset=at)
-    if not np.isfinite(sums).all() or (sums < 0).any():
-        raise ValueError("malformed raw record: a sum of squares that is negative or not finite")
+def _norms(sums: np.ndarray) -> bytes:
+    """float32 of the float64 roots, inf beyond float32's range (as :func:`.segments.exact_nonfinite`
+    reports an overflow), without a warning on the user's stderr."""
     with np.errstate(over="ignore"):
-        values["gn"] = np.sqrt(sums).astype(np.float32).tobytes()  # beyond float32: inf, no warning
+        return np.sqrt(sums).astype(np.float32).tobytes()
+
+
+def native_values(buf: bytes, at: int, tensors: int, per: int, data: list[list[Any]], meta: dict[str, Any],
+                  values: dict[str, bytes]) -> list[np.ndarray]:
+    """What the native passes wrote (:mod:`.native`), from ``buf[at:]``: ``per`` arrays of float64 per tensor
+    (the first the gradients' sums of squares, whose roots become ``values["gn"]``), then every batch value of
+    ``data`` as float32, whose statistics go into ``values`` through the functions a slot's batches go
+    through; no non-finite gradient (the trainer sends no such record). ValueError when the lengths
+    disagree or a value is negative or not finite."""
+    counts = [int(c) for _, c, _ in data]
+    if not 0 < tensors <= RAW_MAX or any(not 0 < c <= DATA_MAX for c in counts):
+        raise ValueError("malformed raw record: sizes out of range")
+    if len(buf) != at + 8 * per * tensors + 4 * sum(counts):
+        raise ValueError(f"malformed raw record: {len(buf)} bytes for {tensors} tensors and {sum(counts)} values")
+    sums = [np.frombuffer(buf, dtype=np.float64, count=tensors, offset=at + 8 * j * tensors) for j in range(per)]
+    if not all(np.isfinite(a).all() and not (a < 0).any() for a in sums):
+        raise ValueError("malformed raw record: a sum of squares that is negative or not finite")
+    values["gn"] = _norms(sums[0])
     meta["nonfinite"] = {}
-    vals = np.frombuffer(payload, dtype=np.float32, offset=at + 8 * tensors)
+    vals = np.frombuffer(buf, dtype=np.float32, offset=at + 8 * per * tensors)
     pos = 0
-    for name, count, integer in (("inputs", n_in, flags & _IN_INT), ("targets", n_t, flags & _TGT_INT)):
-        if flags & (_IN if name == "inputs" else _TGT):
-            part = vals[pos:pos + count].tolist()
-            pos += count
-            st = list_stats(part, float(bool(integer)), float("nan")) or masked_stats(part, float(bool(integer)))
-            values[f"data:{name}"] = struct.pack(f"<{len(st)}f", *st)
+    for (name, count, integer), n in zip(data, counts):
+        part = vals[pos:pos + n].tolist()
+        pos += n
+        st = list_stats(part, float(bool(integer)), float("nan")) or masked_stats(part, float(bool(integer)))
+        values[f"data:{name}"] = struct.pack(f"<{len(st)}f", *st)
+    return sums

@@ -66,6 +66,7 @@ class SteadyStep:
         self._ntensors = len(self.sizes)  # a _NORMS record's slot field: how many sums follow
         #: the compiled pass over the gradients (:mod:`.native`), None to copy into a slot
         self.native = native.param_grad_sumsq
+        self.weight_pass = native.weight_pass  # a detail step's and its settle's pass, None to copy them
         self.native_steps = 0  # steps whose norms travelled in the record (the viewer's ``native_steps``)
         self.armed = False  # also cleared in a forked child, at the fork (watcher._mark_forked)
         self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
@@ -73,7 +74,8 @@ class SteadyStep:
         self._lr_bytes = b""
         self._groups = 0
         #: (inputs key, targets key) -> [flags, inputs' count, targets' count, values, per-slot destinations, data,
-        #: which travel raw, which get statistics here, the native call's record buffer or None]
+        #: which travel raw, which get statistics here, the native passes' record buffers (ordinary, settle,
+        #: detail step) or None]
         self._batches: dict[tuple[Any, Any], list[Any]] = {}
 
     # ------------------------------------------------------------------ what only a boundary changes
@@ -124,7 +126,7 @@ class SteadyStep:
         entry = self._batch(inputs, targets)
         if entry is None:
             return False
-        flags, n_in, n_t, nvals, dst, data, pick, stats, out = entry
+        flags, n_in, n_t, nvals, dst, data, pick, stats, outs = entry
         values: dict[str, bytes] | None = None
         if stats:  # batches too big for the slot: their statistics here, exactly as raw_boundary's
             values = {}
@@ -145,15 +147,27 @@ class SteadyStep:
         sq = -1.0
         fn = self.native
         g0 = None
-        if out is not None and fn is not None and not weights and (clip is None or type(clip[1]) is tuple):
-            # one C pass over the gradients where they lie: no slot (native.py; -1: not for this step)
-            sq = fn(self.params, self.sizes, () if not pick else (inputs,) if pick == 1 else (targets,) if pick == 2
-                    else (inputs, targets), out)
+        mode = 0  # the native pass taken: 1 an ordinary step, 2 a settle, 3 a detail step (0: a slot)
+        if outs is not None and fn is not None and (clip is None or type(clip[1]) is tuple):
+            # one C pass over the gradients (and weights) where they lie: no slot (native.py; -1: not for this step)
+            bt = () if not pick else (inputs,) if pick == 1 else (targets,) if pick == 2 else (inputs, targets)
+            if not weights:
+                sq, mode = fn(self.params, self.sizes, bt, outs[0]), 1
+            elif self.weight_pass is not None and not (detail and settle):
+                raw = self.raw
+                if settle and raw.native_snap == col.step - 1:  # the snapshot is ours (the last step's)
+                    sq, mode = self.weight_pass(self.params, self.sizes, bt, outs[1], raw.wsnap, True), 2
+                elif detail:
+                    if raw.wsnap is None and col.probe.update_ratio:
+                        raw.wsnap = bytearray(4 * sum(self.sizes))
+                    snap = raw.wsnap if col.probe.update_ratio else None
+                    sq, mode = self.weight_pass(self.params, self.sizes, bt, outs[2], snap, False), 3
         table = self.table
         if sq >= 0 or sq != sq:  # native: a total, or NaN/inf for something non-finite
             i = seq = -1
             finite = True
         else:
+            mode = 0  # refused (-1) or not tried: the slot
             grads = list(map(_GRAD, self.params))
             g0 = grads[0]
             if g0 is None or g0.dtype not in _EXACT or grads[-1].dtype not in _EXACT:
@@ -197,13 +211,20 @@ class SteadyStep:
             col.published = pub + 1
             col._nf_episode = False
             col._raw_snap = False
-            if i < 0:  # native: the fixed layout with the sums of squares and the batches after it
+            if mode == 3:  # native detail step: raw_boundary's msgpack record, the pass's sums in it
+                payload, wflags = self._packed(step, -1, 0, loss_f, data, True, False, hyper,
+                                               {"native": bytes(outs[2])})
+                self.native_steps += 1
+            elif mode:  # native: the fixed layout with the sums of squares and the batches after it
                 if loss_f is not None:
                     flags |= _LOSS
                 else:
                     loss_f = 0.0
+                if mode == 2:
+                    flags |= _SETTLE  # the update's sums follow the gradients'
                 head = _pack(MARK, flags | _NORMS | (_CLIP if clip is not None else 0), self._groups, self._ntensors,
                              step, _now(), 0, loss_f, n_in, n_t)
+                out = outs[mode - 1]
                 if clip is None:  # in pieces: the ring takes them without a joined copy (Ring.write_parts)
                     payload = (head, self._lr_bytes, out)
                 else:
@@ -227,9 +248,13 @@ class SteadyStep:
                     payload += _CLIP_AT.pack(clip[0], clip[1][0])
                     col._clip = None
             sender = w.sender
-            if sender.submit_raw(payload) and i >= 0:
-                table.commit(i, seq)
-                col._raw_snap = bool(wflags & W_SNAP)
+            if sender.submit_raw(payload):
+                if i >= 0:
+                    table.commit(i, seq)
+                if i >= 0 or mode == 3:
+                    col._raw_snap = bool(wflags & W_SNAP)
+                if mode == 3:
+                    self.raw.native_snap = step  # the next step settles against raw.wsnap
             if opt is not None and col.measure_clips and is_clip(pub, col.detail_every):
                 col.clip_due = step  # the optimizer hook measures the total after the user's clipping
             col.raw_steps += 1
@@ -295,12 +320,12 @@ class SteadyStep:
                 stats.append(name)
         if len(self._batches) >= 8:
             self._batches.clear()  # varying batch shapes: rebuild rather than grow
-        out = None  # the native call's record buffer: sums of squares, then the raw batches as float32
+        outs = None  # the native passes' record buffers: 1, 2 or 3 float64 per tensor, then the raw batches
         if self.native is not None and not stats and all(
                 t is None or not pick & (k + 1) or t.dtype in native.BATCH_DTYPES for k, t in enumerate((inputs, targets))):
-            out = bytearray(8 * len(self.sizes) + 4 * (counts[0] + counts[1]))
+            outs = tuple(bytearray(8 * j * len(self.sizes) + 4 * (counts[0] + counts[1])) for j in (1, 2, 3))
         entry = self._batches[(kin, kt)] = [flags, counts[0], counts[1], counts[0] + counts[1],
-                                            [None] * (2 * self.table.spec.k), data, pick, tuple(stats), out]
+                                            [None] * (2 * self.table.spec.k), data, pick, tuple(stats), outs]
         return entry
 
     def _destinations(self, i: int, inputs: Any, targets: Any, weights: bool = False) -> list[torch.Tensor]:
