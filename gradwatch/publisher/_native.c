@@ -147,26 +147,15 @@ static PyObject *sumsq_common(PyObject *const *args, Py_ssize_t nargs, int via_g
             goto done;
         }
         PyObject *g = PyList_GET_ITEM(grads, k);
-        const float *p = NULL;
-        if (via_grad) {  /* the parameter's .grad, a new reference: the tensor outlives the read (it is the
-                          * parameter's), but the reference is dropped only after it */
-            if (!(g = PyObject_GetAttr(g, s_grad))) {
-                PyErr_Clear();
-                goto done;
-            }
-            p = tensor_data(g, &dt, 0, size * 4, &nb);
-            if (p) {
-                double s = have_avx2 ? sumsq_avx2(p, size) : sumsq_plain(p, size);
-                memcpy(sums + k * sizeof(double), &s, sizeof s);
-                total += s;
-            }
-            Py_DECREF(g);
-            if (!p) goto done;
-            continue;
+        /* the parameter's .grad: a new reference, dropped only after the read */
+        if (via_grad && !(g = PyObject_GetAttr(g, s_grad))) {
+            PyErr_Clear();
+            goto done;
         }
-        p = size ? tensor_data(g, &dt, 0, size * 4, &nb) : NULL;
+        const float *p = size ? tensor_data(g, &dt, 0, size * 4, &nb) : NULL;
+        double s = !p ? 0.0 : have_avx2 ? sumsq_avx2(p, size) : sumsq_plain(p, size);
+        if (via_grad) Py_DECREF(g);
         if (size && !p) goto done;
-        double s = !size ? 0.0 : have_avx2 ? sumsq_avx2(p, size) : sumsq_plain(p, size);
         memcpy(sums + k * sizeof(double), &s, sizeof s);  /* any alignment */
         total += s;
     }

@@ -24,8 +24,6 @@ param_grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], f
 weight_pass: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any, Any, bool], float] | None = None
 #: Why it is None, for the STATUS counters and the tests ("" when loaded).
 why_not = ""
-#: The extension's interface this code expects (``ABI`` in _native.c): a build from other sources is not used.
-ABI = NATIVE_ABI
 #: Batch dtypes the call converts to float32 itself (others take the copying path).
 BATCH_DTYPES = frozenset({torch.float32, torch.float64, torch.int64, torch.int32})
 
@@ -40,8 +38,8 @@ def _load() -> None:
     except ImportError as exc:  # not built (no compiler at install time), or built for another Python
         why_not = f"not built ({exc})"
         return
-    if getattr(_native, "ABI", None) != ABI:  # a build from other sources (re-run the install to rebuild it)
-        why_not = f"not built for this version (ABI {getattr(_native, 'ABI', None)}, want {ABI})"
+    if getattr(_native, "ABI", None) != NATIVE_ABI:  # a build from other sources (re-run the install to rebuild it)
+        why_not = f"not built for this version (ABI {getattr(_native, 'ABI', None)}, want {NATIVE_ABI})"
         return
     _native.configure(torch.Tensor, torch.nn.Parameter, torch.float32, torch.float64, torch.int64, torch.int32)
     grad_sumsq, param_grad_sumsq, weight_pass = _native.grad_sumsq, _native.param_grad_sumsq, _native.weight_pass

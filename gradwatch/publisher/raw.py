@@ -27,7 +27,7 @@ from gradwatch.publisher.handoff import RAW, pack
 from gradwatch.publisher.hyper import scalar_part
 from gradwatch.publisher.parts import Parts
 from gradwatch.publisher.slots import (
-    _LINE, DATA_MAX, W_DETAIL, W_ONLY, W_SETTLE, W_SNAP, SlotSpec, SlotTable, encode_raw,
+    _LINE, DATA_MAX, W_DETAIL, W_ONLY, W_SETTLE, W_SNAP, SlotSpec, SlotTable, encode_raw, norms_of_sums,
 )
 
 if TYPE_CHECKING:
@@ -135,9 +135,7 @@ class RawHandoff:
             self._settle_out = bytearray(16 * n)
         if fn(self.params, self.spec.sizes, (), self._settle_out, self.wsnap, True) == -1.0:
             return None  # (NaN answers: a gradient or weight is not finite; the update's norms still count)
-        dsq = np.frombuffer(self._settle_out, dtype=np.float64, count=n, offset=8 * n)
-        with np.errstate(all="ignore"):
-            return np.sqrt(dsq).astype(np.float32).tobytes()
+        return norms_of_sums(np.frombuffer(self._settle_out, dtype=np.float64, count=n, offset=8 * n))
 
     def load_weights(self, slot: int) -> None:
         """Only the weights (a settle-only record), grad mode off."""

@@ -183,7 +183,7 @@ class SlotReader:
         if blob is not None:  # a detail step
             _, gmax, wsq = native_values(blob, 0, n, 3, data or [], meta, values)
             values["gmax"] = gmax.astype(np.float32).tobytes()  # |g| of float32 values: exact in float32
-            values["wn"] = _norms(wsq)
+            values["wn"] = norms_of_sums(wsq)
             meta["wnf"] = {}
         if len(values.get("gn", b"")) != 4 * n:
             raise ValueError("a record's norms for another model")
@@ -323,7 +323,7 @@ def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], li
     if flags & _NORMS:
         sums = native_values(payload, at, slot, 2 if flags & _SETTLE else 1, data, meta, values)
         if flags & _SETTLE:
-            values["dwn"] = _norms(sums[1])
+            values["dwn"] = norms_of_sums(sums[1])
         slot = -1
     if flags & _LOSS:
         meta["loss"] = loss
@@ -332,10 +332,10 @@ def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], li
     return step, ts, slot, seq, meta, data, W_SETTLE if flags & _SETTLE else 0, values
 
 
-def _norms(sums: np.ndarray) -> bytes:
+def norms_of_sums(sums: np.ndarray) -> bytes:
     """float32 of the float64 roots, inf beyond float32's range (as :func:`.segments.exact_nonfinite`
     reports an overflow), without a warning on the user's stderr."""
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         return np.sqrt(sums).astype(np.float32).tobytes()
 
 
@@ -354,7 +354,7 @@ def native_values(buf: bytes, at: int, tensors: int, per: int, data: list[list[A
     sums = [np.frombuffer(buf, dtype=np.float64, count=tensors, offset=at + 8 * j * tensors) for j in range(per)]
     if not all(np.isfinite(a).all() and not (a < 0).any() for a in sums):
         raise ValueError("malformed raw record: a sum of squares that is negative or not finite")
-    values["gn"] = _norms(sums[0])
+    values["gn"] = norms_of_sums(sums[0])
     meta["nonfinite"] = {}
     vals = np.frombuffer(buf, dtype=np.float32, offset=at + 8 * per * tensors)
     pos = 0

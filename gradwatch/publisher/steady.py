@@ -164,7 +164,7 @@ class SteadyStep:
                     sq, mode = self.weight_pass(self.params, self.sizes, bt, outs[2], snap, False), 3
         table = self.table
         if sq >= 0 or sq != sq:  # native: a total, or NaN/inf for something non-finite
-            i = seq = -1
+            i, seq = -1, 0
             finite = True
         else:
             mode = 0  # refused (-1) or not tried: the slot
@@ -211,42 +211,29 @@ class SteadyStep:
             col.published = pub + 1
             col._nf_episode = False
             col._raw_snap = False
-            if mode == 3:  # native detail step: raw_boundary's msgpack record, the pass's sums in it
-                payload, wflags = self._packed(step, -1, 0, loss_f, data, True, False, hyper,
-                                               {"native": bytes(outs[2])})
-                self.native_steps += 1
-            elif mode:  # native: the fixed layout with the sums of squares and the batches after it
-                if loss_f is not None:
-                    flags |= _LOSS
-                else:
-                    loss_f = 0.0
-                if mode == 2:
-                    flags |= _SETTLE  # the update's sums follow the gradients'
-                head = _pack(MARK, flags | _NORMS | (_CLIP if clip is not None else 0), self._groups, self._ntensors,
-                             step, _now(), 0, loss_f, n_in, n_t)
-                out = outs[mode - 1]
-                if clip is None:  # in pieces: the ring takes them without a joined copy (Ring.write_parts)
-                    payload = (head, self._lr_bytes, out)
-                else:
-                    payload = (head, self._lr_bytes, _CLIP_AT.pack(clip[0], clip[1][0]), out)
-                    col._clip = None
-                wflags = 0
-                self.native_steps += 1
-            elif detail or values or (clip is not None and type(clip[1]) is not tuple):
-                payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper, values)
+            if mode == 3 or (not mode and (detail or values or (clip is not None and type(clip[1]) is not tuple))):
+                # a detail step (native: the pass's sums in the record), big batches, a tensor clip: msgpack
+                payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper,
+                                               {"native": bytes(outs[2])} if mode else values)
             else:  # a steady step, the settle after a detail step, a clipped total: the fixed layout
                 wflags = W_SETTLE if settle else 0
                 if settle:
-                    flags |= _SETTLE
+                    flags |= _SETTLE  # (native: the update's sums follow the gradients')
                 if loss_f is not None:
                     flags |= _LOSS
                 else:
                     loss_f = 0.0
-                payload = _pack(MARK, flags | (_CLIP if clip is not None else 0), self._groups, i, step, _now(),
-                                seq, loss_f, n_in, n_t) + self._lr_bytes
-                if clip is not None:
-                    payload += _CLIP_AT.pack(clip[0], clip[1][0])
+                # native: no slot; its field holds how many sums follow, then the pass's buffer (slots._NORMS)
+                head = _pack(MARK, flags | (_NORMS if mode else 0) | (_CLIP if clip is not None else 0), self._groups,
+                             self._ntensors if mode else i, step, _now(), seq, loss_f, n_in, n_t)
+                tail = outs[mode - 1] if mode else b""
+                if clip is None:  # in pieces: the ring takes them without a joined copy (Ring.write_parts)
+                    payload = (head, self._lr_bytes, tail)
+                else:
+                    payload = (head, self._lr_bytes, _CLIP_AT.pack(clip[0], clip[1][0]), tail)
                     col._clip = None
+            if mode:
+                self.native_steps += 1
             sender = w.sender
             if sender.submit_raw(payload):
                 if i >= 0:
