@@ -12,7 +12,7 @@ import torch
 
 import gradwatch
 from _fw import steps_of
-from gradwatch.publisher.trouble import TroubleCheck, is_detail
+from gradwatch.publisher.trouble import JUMP, JUMP_STEPS, TroubleCheck, is_detail
 
 torch.set_num_threads(1)
 
@@ -136,3 +136,26 @@ def test_trouble_check_verdicts() -> None:
     assert t.check(1.0, 1.4, False) is None  # a jump did not move the level
     assert t.check(1.0, None, False) is None  # CUDA: no verdict on the training thread
     assert t.check(1.0, 0.0, False) is None
+
+
+def test_a_lasting_change_of_scale_is_trouble_for_jump_steps_only() -> None:
+    """A norm that jumps x1000 and stays there is examined on its first JUMP_STEPS steps, then it is the
+    level; a spike that comes back down is trouble on each of its steps; the same step asked twice (the
+    steady path, then the general one) gets one verdict and moves the level once."""
+    t = TroubleCheck()
+    step = 0
+    for _ in range(20):
+        assert t.check(1.0, 1.0, False, step) is None
+        step += 1
+    verdicts = []
+    for _ in range(3 * JUMP_STEPS):
+        verdicts.append(t.check(1.0, 1000.0, False, step))
+        assert t.check(1.0, 1000.0, False, step) == verdicts[-1]  # asked again: the same, nothing moved twice
+        step += 1
+    assert verdicts[:JUMP_STEPS] == ["jump"] * JUMP_STEPS and verdicts[JUMP_STEPS:] == [None] * (2 * JUMP_STEPS)
+    assert t.check(1.0, 1000.0 * JUMP, False, step) == "jump"  # judged against the new level from then on
+    # spikes with ordinary steps between them: every spike is trouble, however many there are
+    t2 = TroubleCheck()
+    for k in range(200):
+        v = t2.check(1.0, 50.0 if k % 3 == 2 and k > 10 else 1.0, False, k)
+        assert v == ("jump" if k % 3 == 2 and k > 10 else None), k

@@ -146,7 +146,7 @@ class Collector:
         batch = {name: data_stats(t, exact_on_host=host) for name, t in (("inputs", inputs), ("targets", targets))
                  if t is not None}
         total = probe.grad_norms(parts, meta)
-        self._scan(meta, total, batch, inputs, targets)
+        self._scan(meta, total, batch, inputs, targets, step)
         for name, st in batch.items():
             if st is not None:
                 parts.add(f"data:{name}", st)
@@ -181,13 +181,13 @@ class Collector:
         self.acts.plan(step + 1)
 
     def _scan(self, meta: dict[str, Any], total: float | None, batch: dict[str, Any], inputs: Any,
-              targets: Any) -> None:
+              targets: Any, step: int) -> None:
         """Is this a trouble step (:mod:`~gradwatch.publisher.trouble`)? Then every gradient and weight is
         checked exactly at this boundary (``meta["scan"]``), and on a non-finite step the batch is
         checked for being degenerate (every sample the same)."""
         loss = meta.get("loss")
         data_bad = any(isinstance(st, tuple) and st[1] > 0 for st in batch.values())
-        why = self._trouble.check(loss if isinstance(loss, float) else None, total, data_bad)
+        why = self._trouble.check(loss if isinstance(loss, float) else None, total, data_bad, step)
         if why is None:
             return
         meta["scan"] = why

@@ -209,8 +209,8 @@ def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any
         if grad_mode:
             torch._C._set_grad_enabled(True)
     total = math.sqrt(sq) if sq >= 0 else math.nan
-    if col._trouble.check(loss_f, total, data_bad or not finite):
-        return False  # the ordinary path measures it exactly (check() moves no state on a trouble step)
+    if col._trouble.check(loss_f, total, data_bad or not finite, step):
+        return False  # the ordinary path measures it exactly (asked again for this step, check() gives the same)
     col._nf_episode = False
     ts = time.time()
     wflags = (W_DETAIL | (W_SNAP if col.probe.update_ratio else 0) if detail else 0) | (W_SETTLE if settle else 0)

@@ -199,8 +199,8 @@ class SteadyStep:
             sq = _dot(g, g).item()
             finite = not nvals or _isfinite(sum(raw._data_mv[i][:nvals]))
         total = _sqrt(sq) if sq >= 0 else math.nan
-        if not finite or col._trouble.check(loss_f, total, False):
-            return False  # a trouble step: the ordinary path measures it exactly (check() moved nothing)
+        if not finite or col._trouble.check(loss_f, total, False, col.step):
+            return False  # a trouble step: the ordinary path measures it exactly (and gets the same verdict)
         # ---- committed: from here on the step is this one's, as the general path would have left it
         w = self.w
         with w._lock:

@@ -29,6 +29,11 @@ DETAIL_EVERY = 10
 FIRST_DETAIL = 3
 #: A total gradient norm this many times its running level makes a step a trouble step.
 JUMP = 10.0
+#: A norm that stays at JUMP x the level for more published steps in a row than this is a new level, not a
+#: spike: a lasting change of scale is examined on its first JUMP_STEPS steps, not on every step after it
+#: (bench/README.md 1.17: the tutorial MLP's x5000 Adam spike made 127 steps in a row trouble steps at
+#: ~0.5 ms each).
+JUMP_STEPS = 10
 #: After a non-finite loss or gradient with clean weights, activation statistics are armed for this many
 #: steps (CPU), so a NaN that comes back is traced to the first module that produced it.
 AUTO_ARM_STEPS = 10
@@ -50,25 +55,38 @@ def is_clip(published: int, every: int) -> bool:
 class TroubleCheck:
     """Running level of the total gradient norm (log10 EMA, plain floats) and the per-step verdict."""
 
-    __slots__ = ("_level", "_count")
+    __slots__ = ("_level", "_count", "_streak", "_step", "_verdict")
 
     def __init__(self) -> None:
         self._level = 0.0
         self._count = 0
+        self._streak = 0  # jump steps in a row
+        self._step: int | None = None  # the boundary judged last, and its verdict on the norm
+        self._verdict: str | None = None
 
-    def check(self, loss: float | None, total: float | None, data_bad: bool) -> str | None:
+    def check(self, loss: float | None, total: float | None, data_bad: bool, step: int | None = None) -> str | None:
         """Why this step is a trouble step ("nonfinite", "jump"), or None. ``total``: the total gradient norm
         read on the host, NaN/Inf when a gradient is (None on CUDA: no verdict there, see the module
-        docstring)."""
+        docstring). ``step``: the boundary's step; asked again for the same step (the steady path hands a
+        trouble step to the general one, which asks again), the level is not moved twice."""
         if total is None:
             return None
         if data_bad or (loss is not None and not math.isfinite(loss)) or not math.isfinite(total):
             return "nonfinite"
         if total <= 0.0:
             return None
+        if step is not None and step == self._step:
+            return self._verdict
         x = math.log10(total)
         jump = self._count >= 3 and x - self._level >= math.log10(JUMP)
-        if not jump:  # a jump does not move the level: the next steps are judged against the same one
+        if jump:  # a jump does not move the level: the next steps are judged against the same one...
+            self._streak += 1
+            if self._streak > JUMP_STEPS:  # ...unless the norm stays up: then it is the new level
+                self._level, self._streak, jump = x, 0, False
+        else:
+            self._streak = 0
             self._level = x if not self._count else self._level + 0.1 * (x - self._level)
             self._count += 1
-        return "jump" if jump else None
+        verdict = "jump" if jump else None
+        self._step, self._verdict = step, verdict
+        return verdict
