@@ -57,6 +57,25 @@ def test_ring_keeps_order_across_the_wrap_and_refuses_what_does_not_fit(tmp_path
         Ring.attach(tmp_path / "junk")
 
 
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd is Linux's")
+def test_a_ring_in_memory_of_its_own_is_shared_through_its_descriptor_and_touched_before_the_first_step() -> None:
+    """Ring.create(None): a memfd, no file anywhere; attach(fd) maps the same memory (and closes the fd);
+    the forward ring's pages are resident at once (the steps' writes take no first-touch fault)."""
+    ring = Ring.create(None, fwd_cap=4 << 20, back_cap=4096, extra=1 << 20)
+    assert ring.fd is not None and os.readlink(f"/proc/self/fd/{ring.fd}").startswith("/memfd:gradwatch-ring")
+    other = Ring.attach(os.dup(ring.fd))
+    fd = ring.fd
+    ring.close_fd()
+    assert ring.fd is None and not os.path.exists(f"/proc/self/fd/{fd}")
+    assert ring.write(b"step") and other.read() == [b"step"] and other.write_back(b"a") and ring.read_back() == [b"a"]
+    maps = Path("/proc/self/smaps").read_text().split("\n")
+    rss = [int(next(x for x in maps[i + 1:] if x.startswith("Rss:")).split()[1])
+           for i, line in enumerate(maps) if "memfd:gradwatch-ring" in line]
+    assert len(rss) == 2 and max(rss) >= 4 << 10  # kB: the whole forward ring is in memory already
+    ring.close()
+    other.close()
+
+
 def test_a_step_decodes_the_same_through_the_ring_as_in_a_thread() -> None:
     """The sidecar decodes the bytes the trainer packed; the Step must equal the one the in-process
     sender builds from the torch Work itself, for a buffer, host values and a meta with ints as keys."""
@@ -184,7 +203,11 @@ def test_the_run_secrets_never_reach_argv_or_the_environment(runtime: Path) -> N
         assert info.curve is not None
         for secret in (info.key, info.key.hex().encode(), info.curve["client_secret"].encode()):
             assert secret not in seen
-        assert not list(Path(runtime).rglob("*.ring"))  # the ring file is unlinked once both have mapped it
+        assert not list(Path(runtime).rglob("*.ring"))  # no ring file: a memfd, passed to the sidecar
+        assert "memfd:gradwatch-ring" in Path(f"/proc/{side}/maps").read_text()
+        fds = [os.readlink(f) for f in Path(f"/proc/{proc.pid}/fd").iterdir() if os.path.exists(f)]
+        # the trainer closed the descriptor it passed; what is left is CPython's mmap's own (a CLOEXEC dup)
+        assert len([f for f in fds if "gradwatch-ring" in f]) == 1
     finally:
         proc.kill()
         proc.communicate(timeout=30)

@@ -340,17 +340,18 @@ def _null_stdin(s: SidecarSender) -> None:
             pass
 
 
-def spawn(config: dict[str, Any]) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+def spawn(config: dict[str, Any], pass_fds: tuple[int, ...] = ()) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Start ``python -m gradwatch.publisher.sidecar``, give it ``config`` through its stdin (the run's
     secrets never appear in argv or the environment) and wait for its answer: ``{"ok": True, "endpoint":
-    ...}`` once its socket is bound, or ``{"ok": False, "error": ...}``. Raises RuntimeError on failure."""
+    ...}`` once its socket is bound, or ``{"ok": False, "error": ...}``. Raises RuntimeError on failure.
+    ``pass_fds``: descriptors the sidecar inherits (the ring's memfd), at the same numbers."""
     if not sys.executable:
         raise RuntimeError("no Python executable to start the sidecar with")
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # the directory that holds the gradwatch package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.Popen([sys.executable, "-m", "gradwatch.publisher.sidecar"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, close_fds=True, env=env)
+                            stdout=subprocess.PIPE, close_fds=True, pass_fds=pass_fds, env=env)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         blob = msgpack.packb(config, use_bin_type=True)

@@ -269,7 +269,7 @@ def main() -> int:
         from gradwatch.publisher.stream import open_stream
 
         cfg = _read_config()
-        ring = Ring.attach(cfg["ring"])
+        ring = Ring.attach(cfg["ring"] if cfg.get("ring_fd") is None else int(cfg["ring_fd"]))
         ctx = zmq.Context()
         auth = CurveServer(ctx, cfg["curve"]) if cfg.get("curve") else None
         try:

@@ -117,22 +117,29 @@ def _start_sidecar(w: Watcher, key: bytes, endpoint: str, frame: int, control: b
     from gradwatch.publisher import handoff
     from gradwatch.publisher.ring import Ring
 
-    ring_path = Path(transport.endpoint_path(transport.ipc_endpoint(w.run_id, "ring")[0]) or "")
     # 256 records of the largest step: four float32 values per parameter tensor (norms, max-abs, weight
     # norms, update ratios), activation statistics per module, and the meta; 4-64 MiB
     est = 16 * len(w._schema.params) + 12 * len(w._schema.modules) + 8192
     slots = _slot_spec(w)
-    ring = Ring.create(ring_path, max(4 << 20, min(64 << 20, 256 * est)), extra=slots.nbytes if slots else 0)
+    cap, extra = max(4 << 20, min(64 << 20, 256 * est)), slots.nbytes if slots else 0
+    ring_path: Path | None = None
+    try:  # memory of its own, passed to the sidecar as a file descriptor (ring.py, Ring.create: not a disk file)
+        ring = Ring.create(None, cap, extra=extra) if hasattr(os, "memfd_create") else None
+    except OSError:
+        ring = None
+    if ring is None:  # no memfd (not Linux): a file in the private runtime directory, unlinked once mapped
+        ring_path = Path(transport.endpoint_path(transport.ipc_endpoint(w.run_id, "ring")[0]) or "")
+        ring = Ring.create(ring_path, cap, extra=extra)
     diag = w.cfg.diagnose
     config = {
-        "ring": str(ring_path), "run": w.run_id, "key": key, "endpoint": endpoint, "frame": frame,
+        "ring": str(ring_path) if ring_path is not None else None, "ring_fd": ring.fd, "run": w.run_id, "key": key, "endpoint": endpoint, "frame": frame,
         "curve": w._auth.share() if w._auth is not None else None, "schema": protocol.pack_body(dataclasses.replace(w._schema, control=control)),
         "history": w.cfg.history, "queue_size": w.cfg.queue_size, "scaler_enabled": _scaler_on(w),
         "name": w.name, "trainer_pid": os.getpid(), "slots": slots.to_config() if slots else None,
         "diagnose": None if diag is False else dataclasses.asdict(diag) if dataclasses.is_dataclass(diag) else True,
     }
     try:
-        proc, answer = handoff.spawn(config)
+        proc, answer = handoff.spawn(config, () if ring.fd is None else (ring.fd,))
     except handoff.BindError as exc:
         ring.close()
         raise transport.TransportError(str(exc)) from None
@@ -140,8 +147,10 @@ def _start_sidecar(w: Watcher, key: bytes, endpoint: str, frame: int, control: b
         ring.close()
         warn(f"the telemetry sidecar did not start ({exc}); sending from a thread of the trainer instead")
         return None, None
-    finally:
-        ring_path.unlink(missing_ok=True)  # both sides have it mapped; nothing is left behind, even after SIGKILL
+    finally:  # both sides have it mapped: nothing is left behind, even after SIGKILL
+        ring.close_fd()
+        if ring_path is not None:
+            ring_path.unlink(missing_ok=True)
     sender = handoff.SidecarSender(proc, ring, None)
     if slots is not None:
         _raw_on(w, ring, slots)
