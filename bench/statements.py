@@ -76,6 +76,8 @@ def main() -> int:
     ap.add_argument("target", help="module:Class.method, e.g. gradwatch.publisher.steady:SteadyStep.__call__")
     ap.add_argument("--model", default="tiny_mlp")
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--kind", choices=("ordinary", "detail", "settle", "clip"), default="ordinary",
+                    help="which steps to time: ordinary (default), detail steps, the steps after one, clip steps")
     args = ap.parse_args()
     torch.set_num_threads(1)
     labels, box = instrument(args.target)
@@ -96,7 +98,10 @@ def main() -> int:
             loss = wl.loss_fn(model(x), y)
             loss.backward()
             pub = gw._collector.published
-            ordinary = not (is_detail(pub, every) or is_detail(pub - 1, every) or is_clip(pub, every))
+            kinds = {"detail": is_detail(pub, every), "settle": is_detail(pub - 1, every) and not is_detail(pub, every),
+                     "clip": is_clip(pub, every) and not is_detail(pub, every) and not is_detail(pub - 1, every)}
+            kinds["ordinary"] = not any(kinds.values())
+            ordinary = kinds[args.kind]
             box["times"] = []
             gw.step(loss, inputs=x, targets=y)
             t = box["times"]
@@ -108,9 +113,9 @@ def main() -> int:
     finally:
         gw.close()
     if not rows:
-        print(f"statements.py: {args.target} did not run on an ordinary step of {args.model}", file=sys.stderr)
+        print(f"statements.py: {args.target} did not run on a(n) {args.kind} step of {args.model}", file=sys.stderr)
         return 1
-    print(f"{args.target} on {args.model}: {calls} ordinary steps; median per statement "
+    print(f"{args.target} on {args.model}: {calls} {args.kind} steps; median per statement "
           f"(n = how often it was reached)")
     total = 0.0
     for k, v in sorted(rows.items()):

@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 from conftest import PY, ROOT
 from gradwatch.publisher import native, ring
 from gradwatch.publisher.ring import Ring
-from gradwatch.publisher.slots import _HEAD, _IN, _IN_INT, _LOSS, _NORMS, MARK, SlotReader, SlotSpec, decode_raw
+from gradwatch.publisher.slots import (
+    _DETAIL, _HEAD, _IN, _IN_INT, _LOSS, _NORMS, _SETTLE, _SNAP, MARK, SlotReader, SlotSpec, decode_raw,
+)
 
 pytestmark = pytest.mark.skipif(native.grad_sumsq is None, reason=f"the extension is not here: {native.why_not}")
 fn = native.grad_sumsq
@@ -157,6 +159,48 @@ def test_a_norms_record_decodes_to_the_steps_values() -> None:
 def test_a_malformed_norms_record_is_a_value_error(bad: bytes) -> None:
     with pytest.raises(ValueError, match="malformed raw record"):
         decode_raw(bad)
+
+
+def _detail_record(hyper: list[list[float]], sums: list[float], flags: int = _LOSS | _DETAIL | _SNAP) -> bytes:
+    head = _HEAD.pack(MARK, flags | _NORMS, len(hyper), len(sums) // 3, 11, 2.5, 0, 0.5, 0, 0)
+    flat = [v for g in hyper for v in g]
+    return head + struct.pack(f"<{len(flat)}d", *flat) + struct.pack(f"<{len(sums)}d", *sums)
+
+
+def test_a_native_detail_step_in_the_fixed_layout_reads_as_its_msgpack_record() -> None:
+    """Every hyper-parameter per group (NaN: the group has none of that name), the pass's three sums left
+    for SlotReader.inline as values["native"] (as the msgpack record carries them), wflags W_DETAIL|W_SNAP;
+    a detail flag without the norms flag, or with a settle, is malformed."""
+    from gradwatch.publisher.slots import DETAIL_KEYS, W_DETAIL, W_SNAP
+
+    adam = [1e-3, math.nan, 0.0, 1e-8, math.nan, 0.9, 0.999]
+    sgd = [0.1, 0.9, 1e-4, math.nan, 0.0, math.nan, math.nan]
+    sums = [4.0, 1.0, 0.5, 2.0, 9.0, 16.0]
+    step, ts, slot, _, meta, data, wflags, values = decode_raw(_detail_record([adam, sgd], sums))
+    assert (step, ts, slot, wflags, data) == (11, 2.5, -1, W_DETAIL | W_SNAP, [])
+    assert meta == {"loss": 0.5, "opt": [{"lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8, "beta1": 0.9, "beta2": 0.999},
+                                         {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "dampening": 0.0}]}
+    assert values == {"native": struct.pack("<6d", *sums)} and len(DETAIL_KEYS) == len(adam)
+    assert decode_raw(_detail_record([adam], sums, _DETAIL))[6] == W_DETAIL  # no snapshot kept: no W_SNAP
+    for bad in (_detail_record([adam], sums)[:-3], _detail_record([adam], sums)[:40]):
+        with pytest.raises(ValueError, match="malformed raw record"):
+            reader = SlotReader(SlotSpec(2, (6, 2)), bytearray(SlotSpec(2, (6, 2)).nbytes), 0)
+            _, _, _, _, meta, data, wflags, values = decode_raw(bad)
+            reader.inline(values, meta, data, 11, wflags)
+    head = _HEAD.pack(MARK, _DETAIL, 0, 2, 11, 2.5, 0, 0.5, 0, 0)  # no _NORMS
+    with pytest.raises(ValueError, match="flags"):
+        decode_raw(head + struct.pack("<6d", *sums))
+    with pytest.raises(ValueError, match="flags"):
+        decode_raw(_detail_record([adam], sums, _DETAIL | _SETTLE))
+
+
+def test_hyper_parameters_that_do_not_fit_the_fixed_layout_take_msgpack() -> None:
+    from gradwatch.publisher.steady import _hyper_bytes
+
+    assert _hyper_bytes(None) == b"" and _hyper_bytes([]) == b""
+    assert len(_hyper_bytes([{"lr": 0.1}, {"lr": 0.2, "beta1": 0.9}]) or b"") == 2 * 7 * 8
+    assert _hyper_bytes([{"lr": math.nan}]) is None  # would read as no learning rate
+    assert _hyper_bytes([{"lr": 0.1, "initial_lr": 0.1}]) is None  # a key the layout has no place for
 
 
 def test_the_sidecar_refuses_norms_for_another_model() -> None:

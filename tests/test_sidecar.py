@@ -6,6 +6,7 @@ outside, DataLoader workers forked after watch(), a viewer attached while the tr
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -68,10 +69,13 @@ def test_a_ring_in_memory_of_its_own_is_shared_through_its_descriptor_and_touche
     ring.close_fd()
     assert ring.fd is None and not os.path.exists(f"/proc/self/fd/{fd}")
     assert ring.write(b"step") and other.read() == [b"step"] and other.write_back(b"a") and ring.read_back() == [b"a"]
+    start = ctypes.addressof(ctypes.c_char.from_buffer(ring.mm))  # this mapping's entry in smaps
     maps = Path("/proc/self/smaps").read_text().split("\n")
-    rss = [int(next(x for x in maps[i + 1:] if x.startswith("Rss:")).split()[1])
-           for i, line in enumerate(maps) if "memfd:gradwatch-ring" in line]
-    assert len(rss) == 2 and max(rss) >= 4 << 10  # kB: the whole forward ring is in memory already
+    entry = next(i for i, line in enumerate(maps) if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]
+                 and int(line.split("-", 1)[0], 16) == start)
+    assert "memfd:gradwatch-ring" in maps[entry]
+    rss = int(next(x for x in maps[entry + 1:] if x.startswith("Rss:")).split()[1])
+    assert rss >= 4 << 10  # kB: the whole forward ring is in memory already
     ring.close()
     other.close()
 

@@ -273,12 +273,17 @@ class SlotReader:
 #: First byte of a fixed-layout raw record: 0xC1 is never used by msgpack, so the sidecar tells the two
 #: kinds of record apart by it (everything else in the ring is msgpack).
 MARK = 0xC1
-_HEAD = struct.Struct("<BBHIqdQdII")  # mark, flags, groups, slot, step, ts, seq, loss, inputs, targets
+_HEAD = struct.Struct("<BHHIqdQdII")  # mark, flags, groups, slot, step, ts, seq, loss, inputs, targets
 #: _SETTLE: the record's wflags are W_SETTLE; _CLIP: (clip step, clipped total) follow the learning rates;
 #: _NORMS: no slot, the step travels whole in the record (the native steady step, :mod:`.native`): the slot
 #: field holds the number of tensors, then per tensor the float64 sum of squares of its gradient, then
-#: the batches' values as float32 (every one of them finite, or the trainer would have sent no such record)
-_LOSS, _IN, _TGT, _IN_INT, _TGT_INT, _SETTLE, _CLIP, _NORMS = 1, 2, 4, 8, 16, 32, 64, 128
+#: the batches' values as float32 (every one of them finite, or the trainer would have sent no such record);
+#: _DETAIL (with _NORMS): a detail step's native pass (the gradients' sums, max-abs and the weights' sums,
+#: :data:`DETAIL_KEYS` per group instead of the learning rate alone, NaN where a group has no such key),
+#: wflags W_DETAIL, and with _SNAP also W_SNAP (the trainer keeps the weights for the update ratio)
+_LOSS, _IN, _TGT, _IN_INT, _TGT_INT, _SETTLE, _CLIP, _NORMS, _DETAIL, _SNAP = 1, 2, 4, 8, 16, 32, 64, 128, 256, 512
+#: A detail record's hyper-parameters per group, in this order (:func:`.hyper.hyper_of`'s keys).
+DETAIL_KEYS = ("lr", "momentum", "weight_decay", "eps", "dampening", "beta1", "beta2")
 _CLIP_AT = struct.Struct("<qd")
 
 
@@ -307,8 +312,9 @@ def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], li
     meta: dict[str, Any] = {}
     try:
         _, flags, groups, slot, step, ts, seq, loss, n_in, n_t = _HEAD.unpack_from(payload, 0)
-        lrs = struct.unpack_from(f"<{groups}d", payload, _HEAD.size) if groups else ()
-        at = _HEAD.size + 8 * groups
+        per = len(DETAIL_KEYS) if flags & _DETAIL else 1  # doubles per group
+        lrs = struct.unpack_from(f"<{groups * per}d", payload, _HEAD.size) if groups else ()
+        at = _HEAD.size + 8 * groups * per
         if flags & _CLIP:
             clip_step, clip = _CLIP_AT.unpack_from(payload, at)
             meta["clip_step"], values["clip"] = clip_step, struct.pack("<f", clip)
@@ -320,16 +326,25 @@ def decode_raw(payload: bytes) -> tuple[int, float, int, int, dict[str, Any], li
         data.append(["inputs", n_in, 1 if flags & _IN_INT else 0])
     if flags & _TGT:
         data.append(["targets", n_t, 1 if flags & _TGT_INT else 0])
-    if flags & _NORMS:
+    wflags = W_SETTLE if flags & _SETTLE else 0
+    if flags & _DETAIL:  # SlotReader.inline reads the pass's buffer, as from a msgpack detail record
+        if not flags & _NORMS or flags & _SETTLE:
+            raise ValueError("malformed raw record: a detail step's flags")
+        values["native"] = bytes(payload[at:])
+        wflags = W_DETAIL | (W_SNAP if flags & _SNAP else 0)
+        slot = -1
+    elif flags & _NORMS:
         sums = native_values(payload, at, slot, 2 if flags & _SETTLE else 1, data, meta, values)
         if flags & _SETTLE:
             values["dwn"] = norms_of_sums(sums[1])
         slot = -1
     if flags & _LOSS:
         meta["loss"] = loss
-    if groups:
+    if groups and per == 1:
         meta["opt"] = [{"lr": v} for v in lrs]
-    return step, ts, slot, seq, meta, data, W_SETTLE if flags & _SETTLE else 0, values
+    elif groups:
+        meta["opt"] = [{k: v for k, v in zip(DETAIL_KEYS, lrs[g * per:(g + 1) * per]) if v == v} for g in range(groups)]
+    return step, ts, slot, seq, meta, data, wflags, values
 
 
 def norms_of_sums(sums: np.ndarray) -> bytes:

@@ -30,7 +30,8 @@ from gradwatch.publisher.handoff import RAW, pack
 from gradwatch.publisher.parts import Parts
 from gradwatch.publisher.raw import integer_flag
 from gradwatch.publisher.slots import (
-    _CLIP, _CLIP_AT, _HEAD, _IN, _IN_INT, _LOSS, _NORMS, _SETTLE, _TGT, _TGT_INT, MARK, W_DETAIL, W_SETTLE, W_SNAP,
+    _CLIP, _CLIP_AT, _DETAIL, _HEAD, _IN, _IN_INT, _LOSS, _NORMS, _SETTLE, _SNAP, _TGT, _TGT_INT, DETAIL_KEYS, MARK,
+    W_DETAIL, W_SETTLE, W_SNAP,
 )
 from gradwatch.publisher.trouble import FIRST_DETAIL, is_clip, is_detail
 
@@ -48,6 +49,29 @@ _isfinite = math.isfinite
 _sqrt = math.sqrt
 _now = time.time
 _UNSET = object()
+_NAN = math.nan
+
+
+def _hyper_bytes(hyper: list[dict[str, float]] | None) -> bytes | None:
+    """A detail step's hyper-parameters as :data:`~.slots.DETAIL_KEYS` doubles per group (NaN: the group has
+    no such key); None when they do not fit that form (another key, a NaN value: the msgpack record)."""
+    if not hyper:
+        return b""  # no optimizer (or no group): nothing follows the head
+    out: list[float] = []
+    for h in hyper:
+        if len(h) > len(DETAIL_KEYS):
+            return None
+        n = 0
+        for k in DETAIL_KEYS:
+            v = h.get(k, _NAN)
+            if v == v:
+                n += 1
+            elif k in h:
+                return None  # a NaN hyper-parameter would read as an absent one
+            out.append(v)
+        if n != len(h):
+            return None  # a key of another name
+    return struct.pack(f"<{len(out)}d", *out)
 
 
 class SteadyStep:
@@ -72,6 +96,7 @@ class SteadyStep:
         self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
         self._lr_key: list[Any] = [_UNSET]  # the learning rates packed in _lr_bytes (one per group)
         self._lr_bytes = b""
+        self._hb: tuple[Any, bytes | None] = (_UNSET, None)  # the last detail step's hyper-parameters, packed
         self._groups = 0
         #: (inputs key, targets key) -> [flags, inputs' count, targets' count, values, per-slot destinations, data,
         #: which travel raw, which get statistics here, the native passes' record buffers (ordinary, settle,
@@ -201,6 +226,12 @@ class SteadyStep:
         total = _sqrt(sq) if sq >= 0 else math.nan
         if not finite or col._trouble.check(loss_f, total, False, col.step):
             return False  # a trouble step: the ordinary path measures it exactly (and gets the same verdict)
+        hb = None
+        if mode == 3:  # a native detail step's hyper-parameters, fixed layout (cached while they are the same)
+            hb = self._hb[1] if hyper == self._hb[0] else None
+            if hb is None:
+                hb = _hyper_bytes(hyper)
+                self._hb = (hyper, hb)
         # ---- committed: from here on the step is this one's, as the general path would have left it
         w = self.w
         with w._lock:
@@ -211,26 +242,32 @@ class SteadyStep:
             col.published = pub + 1
             col._nf_episode = False
             col._raw_snap = False
-            if mode == 3 or (not mode and (detail or values or (clip is not None and type(clip[1]) is not tuple))):
+            if (mode == 3 and hb is None) or (not mode and (detail or values or (clip is not None
+                                                                             and type(clip[1]) is not tuple))):
                 # a detail step (native: the pass's sums in the record), big batches, a tensor clip: msgpack
                 payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper,
                                                {"native": bytes(outs[2])} if mode else values)
-            else:  # a steady step, the settle after a detail step, a clipped total: the fixed layout
+            else:  # a steady step, a native detail step and the settle after one, a clipped total: fixed layout
                 wflags = W_SETTLE if settle else 0
                 if settle:
                     flags |= _SETTLE  # (native: the update's sums follow the gradients')
+                if mode == 3:  # every hyper-parameter instead of the learning rates, the pass's three sums
+                    snap = col.probe.update_ratio
+                    flags |= _DETAIL | (_SNAP if snap else 0)
+                    wflags = W_DETAIL | (W_SNAP if snap else 0)
                 if loss_f is not None:
                     flags |= _LOSS
                 else:
                     loss_f = 0.0
                 # native: no slot; its field holds how many sums follow, then the pass's buffer (slots._NORMS)
-                head = _pack(MARK, flags | (_NORMS if mode else 0) | (_CLIP if clip is not None else 0), self._groups,
+                groups, per_group = (len(hyper or ()), hb) if mode == 3 else (self._groups, self._lr_bytes)
+                head = _pack(MARK, flags | (_NORMS if mode else 0) | (_CLIP if clip is not None else 0), groups,
                              self._ntensors if mode else i, step, _now(), seq, loss_f, n_in, n_t)
                 tail = outs[mode - 1] if mode else b""
                 if clip is None:  # in pieces: the ring takes them without a joined copy (Ring.write_parts)
-                    payload = (head, self._lr_bytes, tail)
+                    payload = (head, per_group, tail)
                 else:
-                    payload = (head, self._lr_bytes, _CLIP_AT.pack(clip[0], clip[1][0]), tail)
+                    payload = (head, per_group, _CLIP_AT.pack(clip[0], clip[1][0]), tail)
                     col._clip = None
             if mode:
                 self.native_steps += 1
