@@ -103,6 +103,17 @@ class RawHandoff:
         return sq, math.isfinite(sum(self._data_mv[slot][:n]))
 
 
+    def param_sumsq(self, params: list[Any]) -> float | None:
+        """:meth:`sumsq` of the parameters' gradients by the native call alone (it reads each ``.grad``);
+        None when it cannot (no extension, a missing or unreadable gradient: then :meth:`sumsq`)."""
+        fn = native.param_grad_sumsq
+        if fn is None:
+            return None
+        if self._sums is None:
+            self._sums = bytearray(8 * len(self.spec.sizes))
+        sq = fn(params, self.spec.sizes, (), self._sums)
+        return sq if sq >= 0 or sq != sq else None
+
     def sumsq(self, grads: list[Any]) -> float | None:
         """The sum of squares of ``grads`` (the clipped total, :meth:`.Collector.measure_clip`): read in place by
         the native call where it can (float64, :mod:`.native`), else the float32 dot of a private copy like a
