@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import PY, ROOT
 from gradwatch.publisher import native, ring
-from gradwatch.publisher.ring import Ring
+from gradwatch.publisher.ring import NATIVE_ABI, Ring
 from gradwatch.publisher.slots import (
     _DETAIL, _HEAD, _IN, _IN_INT, _LOSS, _NORMS, _SETTLE, _SNAP, MARK, SlotReader, SlotSpec, decode_raw,
 )
@@ -270,6 +270,27 @@ def test_ring_put_refuses_positions_outside_its_mapping(tmp_path: Path) -> None:
     r.close()
 
 
+def test_given_the_loss_it_answers_its_value_as_item_would_or_none() -> None:
+    """The steady step's loss is read with the gradients: float32 and float64 one-element CPU tensors give
+    exactly ``.item()`` (NaN too, the trouble check's to judge); anything else gives None (then ``.item()``
+    in Python), and a refused pass gives (-1, None)."""
+    fn = native.param_grad_sumsq
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    out = bytearray(8)
+    x = torch.randn(3, requires_grad=True)
+    for loss in (torch.tensor(0.1234567), torch.tensor(0.1234567, dtype=torch.float64), (x * 2).sum(),
+                 torch.tensor(math.nan), torch.tensor([[2.5]])):
+        total, value = fn([p], (5,), (), out, loss)
+        assert total == pytest.approx(float((p.grad.double() ** 2).sum()))
+        assert value == loss.item() or (math.isnan(value) and math.isnan(loss.item()))
+    for loss in (torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor([0.5, 0.5]), torch.nn.Parameter(torch.tensor(1.0)),
+                 torch.tensor(3), None, 0.5):
+        assert fn([p], (5,), (), out, loss)[1] is None
+    p.grad = None
+    assert fn([p], (5,), (), out, torch.tensor(0.5)) == (-1.0, None)
+
+
 def test_a_build_from_other_sources_is_not_used() -> None:
     """An editable install keeps the .so it built; after a pull that changed _native.c the old one must not be
     called with new arguments (scripts/_env.sh also rebuilds when _native.c changes)."""
@@ -278,7 +299,7 @@ def test_a_build_from_other_sources_is_not_used() -> None:
             "from gradwatch.publisher import native as n, ring as r; "
             "print(n.param_grad_sumsq is None and n.grad_sumsq is None and r._ring_put is None, n.why_not)")
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.stdout.strip() == "True not built for this version (ABI 1, want 3)", out.stderr
+    assert out.stdout.strip() == f"True not built for this version (ABI 1, want {NATIVE_ABI})", out.stderr
 
 
 def _model_with_grads(seed: int) -> list[torch.nn.Parameter]:

@@ -17,7 +17,9 @@
  *   out: len(grads) float64 sums of squares, then every batch value as float32 (batches in order).
  *   returns the total sum of squares (>= 0) when every gradient and batch value is finite; NaN or inf when
  *   one is not (sums in float64: a finite float32 squared cannot overflow them); -1.0 when not eligible.
- * param_grad_sumsq(params: list, ...): the same, reading each parameter's .grad (no list built in Python).
+ * param_grad_sumsq(params: list, ...[, loss]): the same, reading each parameter's .grad (no list built in
+ *   Python); given a fifth argument, the step's loss, it answers (total, the loss's value) instead, the value
+ *   None where the loss is not a one-element float32/float64 CPU tensor it can read (or the pass refused).
  * weight_pass(params, sizes, batches, out, snap, settle) -> float: a detail step's or a settle's pass. out:
  *   per tensor the gradient's sum of squares, then (detail) its max |g| and the weight's sum of squares, the
  *   weights copied into snap (float32, all tensors in order; snap may be None), or (settle) the sum of
@@ -29,7 +31,7 @@
  *   pieces, wrapping at the end of the ring, then the writer's position stored with release order (the
  *   reader sees all of the record or none of it, on any CPU). False when it does not fit now.
  */
-#define GRADWATCH_NATIVE_ABI 3 /* bump with any change of a function's arguments or answers (native.ABI too) */
+#define GRADWATCH_NATIVE_ABI 4 /* bump with any change of a function's arguments or answers (native.ABI too) */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -122,8 +124,25 @@ error:
 static PyObject *s_grad;
 static int put_batches(PyObject *batches, char *at, char *end, int *finite);
 
+/* The value of a one-element float32/float64 CPU tensor (the loss), read as the batches are; 0 when not. */
+static int scalar_value(PyObject *t, double *v) {
+    PyObject *dt;
+    Py_ssize_t nb;
+    const void *p = tensor_data(t, &dt, 1, 0, &nb);
+    if (p && dt == dt_f32 && nb == 4) {
+        *v = *(const float *)p;
+        return 1;
+    }
+    if (p && dt == dt_f64 && nb == 8) {
+        memcpy(v, p, 8);
+        return 1;
+    }
+    return 0;
+}
+
 static PyObject *sumsq_common(PyObject *const *args, Py_ssize_t nargs, int via_grad) {
-    if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[2])) {
+    if (nargs < 4 || nargs > 4 + via_grad || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])
+        || !PyTuple_CheckExact(args[2])) {
         PyErr_SetString(PyExc_TypeError, "grad_sumsq(grads: list, sizes: tuple, batches: tuple, out: buffer)");
         return NULL;
     }
@@ -163,6 +182,11 @@ static PyObject *sumsq_common(PyObject *const *args, Py_ssize_t nargs, int via_g
     result = finite ? total : NAN;
 done:
     PyBuffer_Release(&view);
+    if (nargs == 5) {  /* with the loss: (total, its value or None when it is not a tensor read here) */
+        double v;
+        if (result != -1.0 && scalar_value(args[4], &v)) return Py_BuildValue("(dd)", result, v);
+        return Py_BuildValue("(dO)", result, Py_None);
+    }
     return PyFloat_FromDouble(result);
 }
 
@@ -429,7 +453,7 @@ static PyMethodDef methods[] = {
     {"grad_sumsq", (PyCFunction)(void (*)(void))grad_sumsq, METH_FASTCALL,
      "grad_sumsq(grads, sizes, batches, out) -> total sum of squares, NaN/inf if non-finite, -1.0 if not eligible"},
     {"param_grad_sumsq", (PyCFunction)(void (*)(void))param_grad_sumsq, METH_FASTCALL,
-     "param_grad_sumsq(params, sizes, batches, out): grad_sumsq of each parameter's .grad"},
+     "param_grad_sumsq(params, sizes, batches, out[, loss]): grad_sumsq of each parameter's .grad (and the loss)"},
     {"weight_pass", (PyCFunction)(void (*)(void))weight_pass, METH_FASTCALL,
      "weight_pass(params, sizes, batches, out, snap, settle): a detail step's or a settle's pass"},
     {"ring_put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,

@@ -129,8 +129,11 @@ class SteadyStep:
         pub = col.published
         detail = is_detail(pub, col.detail_every)
         settle = col._raw_snap  # the sidecar holds the last step's weights: this step's weights settle them
+        lazy = False  # the loss is read by the compiled pass, with the gradients (below)
         if loss is None:
             loss_f = None
+        elif type(loss) is _Tensor and not (detail or settle) and self.native is not None:
+            loss_f, lazy = None, True
         elif isinstance(loss, _Tensor):
             if loss.numel() != 1 or not loss.is_cpu:
                 return False
@@ -176,7 +179,10 @@ class SteadyStep:
         if outs is not None and fn is not None and (clip is None or type(clip[1]) is tuple):
             # one C pass over the gradients (and weights) where they lie: no slot (native.py; -1: not for this step)
             bt = () if not pick else (inputs,) if pick == 1 else (targets,) if pick == 2 else (inputs, targets)
-            if not weights:
+            if lazy:  # (total, the loss's value or None)
+                sq, loss_f = fn(self.params, self.sizes, bt, outs[0], loss)
+                mode, lazy = 1, loss_f is None
+            elif not weights:
                 sq, mode = fn(self.params, self.sizes, bt, outs[0]), 1
             elif self.weight_pass is not None and not (detail and settle):
                 raw = self.raw
@@ -187,6 +193,10 @@ class SteadyStep:
                         raw.wsnap = bytearray(4 * sum(self.sizes))
                     snap = raw.wsnap if col.probe.update_ratio else None
                     sq, mode = self.weight_pass(self.params, self.sizes, bt, outs[2], snap, False), 3
+        if lazy:  # not read by the pass (not tried, refused, or a loss it does not read: bf16, 2 elements)
+            if loss.numel() != 1 or not loss.is_cpu:
+                return False
+            loss_f = loss.item()
         table = self.table
         if sq >= 0 or sq != sq:  # native: a total, or NaN/inf for something non-finite
             i, seq = -1, 0
