@@ -246,6 +246,37 @@ def test_small_batch_statistics_are_exact(seed: int) -> None:
     assert isinstance(const, tuple) and const[5] == 0.0
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_big_batches_read_by_the_compiled_pass_match_torchs(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of more than PY_MAX values goes through native.batch_stats where the extension is built: the
+    same statistics as torch's pass (float32/float64 values, int64/int32 ids, odd lengths past the vector
+    width, raw pixels far from 0); a non-contiguous one or one with a NaN/inf takes torch's (masked) pass."""
+    from gradwatch.publisher import native
+
+    g = torch.Generator().manual_seed(seed)
+    n = 129 + seed * 1000 + 7
+    cases = [torch.randn(n, generator=g), torch.randn(64, 1024, generator=g).double() * 3 - 1,
+             torch.randint(0, 50_000, (8, 256), generator=g), torch.randint(-9, 9, (300,), generator=g).int(),
+             torch.randint(0, 256, (4, 3, 16, 16), generator=g).float(), torch.randn(40, 8, generator=g).t()]
+    bad = torch.randn(n, generator=g)
+    bad[3], bad[-1] = math.nan, -math.inf
+    for t in cases + [bad]:
+        got = data_stats(t, exact_on_host=True)
+        monkeypatch.setattr(native, "batch_stats", None)
+        ref = data_stats(t, exact_on_host=True)
+        monkeypatch.undo()
+        assert isinstance(got, tuple) and isinstance(ref, tuple)
+        assert got[:2] == ref[:2] and got[6] == ref[6] and math.isnan(got[7])  # counts, integer flag
+        assert got[2:6] == pytest.approx(ref[2:6], rel=1e-5, abs=1e-6)  # (torch reads float64 as float32)
+        if t is not bad:
+            want = _stats_reference(t)
+            assert got[2:4] == pytest.approx(want[2:4], rel=1e-7)
+            assert got[4] == pytest.approx(want[4], rel=1e-6, abs=1e-9) and got[5] == pytest.approx(want[5], rel=1e-6)
+    if native.batch_stats is not None:
+        assert native.batch_stats(cases[-1]) is None  # a transposed view: not read in place
+        assert native.batch_stats(bad)[1] == 2.0
+
+
 def test_small_batch_with_nan_still_counts_exactly() -> None:
     x = torch.randn(16, 5, generator=torch.Generator().manual_seed(0))
     x[0, 0], x[3, 2] = math.nan, -math.inf

@@ -26,12 +26,14 @@
  *   squares of snap - weight (the update since the detail step, each difference rounded to float32 as a
  *   float32 subtraction would); then the batches. Answers as grad_sumsq, NaN/inf also for a weight.
  *
+ * batch_stats(t) -> (numel, nonfinite, min, max, sum, sumsq) | None: a big batch's statistics in one pass.
+ *
  * ring_put(mm, base, cap, w_at, r_at, parts: tuple) -> bool: ring.py's Ring._write of one record given in
  *   pieces (no concatenated copy, no Python statements per record): the 4-byte little-endian length, the
  *   pieces, wrapping at the end of the ring, then the writer's position stored with release order (the
  *   reader sees all of the record or none of it, on any CPU). False when it does not fit now.
  */
-#define GRADWATCH_NATIVE_ABI 4 /* bump with any change of a function's arguments or answers (native.ABI too) */
+#define GRADWATCH_NATIVE_ABI 5 /* bump with any change of a function's arguments or answers (native.ABI too) */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -374,6 +376,117 @@ done:
     return PyFloat_FromDouble(result);
 }
 
+/* batch_stats(t) -> (numel, nonfinite, min, max, sum, sum of squares) over the finite values of a float32,
+ * float64, int64 or int32 CPU batch read in place (sums in float64), or None when it is not one (data_stats.py:
+ * one pass instead of aminmax, sum, dot and four .item() calls, ~100 us with caches cold on a 64x1024 batch). */
+#define STATS_LOOP(T)                                                             \
+    for (Py_ssize_t i = 0; i < count; i++) {                                      \
+        double v = (double)((const T *)p)[i];                                     \
+        if (!isfinite(v)) {                                                       \
+            nonfinite++;                                                          \
+            continue;                                                             \
+        }                                                                         \
+        lo = v < lo ? v : lo;                                                     \
+        hi = v > hi ? v : hi;                                                     \
+        s += v;                                                                   \
+        ss += v * v;                                                              \
+    }
+#if defined(__x86_64__) || defined(__i386__)
+/* STATS_LOOP(float) in AVX2: the non-finite lanes masked out of min, max and both sums, and counted. */
+__attribute__((target("avx2,fma"))) static void stats_f32_avx2(const float *x, Py_ssize_t count, Py_ssize_t *nonfinite,
+                                                               double *lo, double *hi, double *s, double *ss) {
+    const __m256 zero = _mm256_setzero_ps(), pinf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 mn = pinf, mx = ninf;
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd(), q0 = _mm256_setzero_pd(), q1 = _mm256_setzero_pd();
+    __m256 mn2 = pinf, mx2 = ninf;
+    __m256d s2 = _mm256_setzero_pd(), s3 = _mm256_setzero_pd(), q2 = _mm256_setzero_pd(), q3 = _mm256_setzero_pd();
+    Py_ssize_t i = 0, bad = 0;
+    for (; i + 16 <= count; i += 16) {  /* two independent lanes of accumulators: the adds' latency overlaps */
+        __m256 v = _mm256_loadu_ps(x + i), w = _mm256_loadu_ps(x + i + 8);
+        __m256 ok = _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_EQ_OQ);  /* v - v is 0 iff v is finite */
+        __m256 okw = _mm256_cmp_ps(_mm256_sub_ps(w, w), zero, _CMP_EQ_OQ);
+        bad += 16 - __builtin_popcount(_mm256_movemask_ps(ok)) - __builtin_popcount(_mm256_movemask_ps(okw));
+        mn = _mm256_min_ps(mn, _mm256_blendv_ps(pinf, v, ok));
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, v, ok));
+        mn2 = _mm256_min_ps(mn2, _mm256_blendv_ps(pinf, w, okw));
+        mx2 = _mm256_max_ps(mx2, _mm256_blendv_ps(ninf, w, okw));
+        __m256 z = _mm256_and_ps(v, ok), y = _mm256_and_ps(w, okw);
+        __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(z)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(z, 1));
+        __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(y)), d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1));
+        s0 = _mm256_add_pd(s0, d0);
+        s1 = _mm256_add_pd(s1, d1);
+        s2 = _mm256_add_pd(s2, d2);
+        s3 = _mm256_add_pd(s3, d3);
+        q0 = _mm256_fmadd_pd(d0, d0, q0);
+        q1 = _mm256_fmadd_pd(d1, d1, q1);
+        q2 = _mm256_fmadd_pd(d2, d2, q2);
+        q3 = _mm256_fmadd_pd(d3, d3, q3);
+    }
+    mn = _mm256_min_ps(mn, mn2);
+    mx = _mm256_max_ps(mx, mx2);
+    s0 = _mm256_add_pd(s0, s2);
+    s1 = _mm256_add_pd(s1, s3);
+    q0 = _mm256_add_pd(q0, q2);
+    q1 = _mm256_add_pd(q1, q3);
+    float a[8], b[8];
+    double c[4], d[4];
+    _mm256_storeu_ps(a, mn);
+    _mm256_storeu_ps(b, mx);
+    _mm256_storeu_pd(c, _mm256_add_pd(s0, s1));
+    _mm256_storeu_pd(d, _mm256_add_pd(q0, q1));
+    double l = INFINITY, h = -INFINITY, sum = (c[0] + c[1]) + (c[2] + c[3]), sq = (d[0] + d[1]) + (d[2] + d[3]);
+    for (int j = 0; j < 8; j++) {
+        l = a[j] < l ? a[j] : l;
+        h = b[j] > h ? b[j] : h;
+    }
+    for (; i < count; i++) {
+        double v = x[i];
+        if (!isfinite(v)) {
+            bad++;
+            continue;
+        }
+        l = v < l ? v : l;
+        h = v > h ? v : h;
+        sum += v;
+        sq += v * v;
+    }
+    *nonfinite = bad, *lo = l, *hi = h, *s = sum, *ss = sq;
+}
+#endif
+
+static PyObject *batch_stats(PyObject *self, PyObject *t) {
+    (void)self;
+    PyObject *dt;
+    Py_ssize_t nb;
+    if (!tensor_type) {
+        PyErr_SetString(PyExc_RuntimeError, "batch_stats: configure() first");
+        return NULL;
+    }
+    const void *p = tensor_data(t, &dt, 1, 0, &nb);
+    if (!p) Py_RETURN_NONE;
+    Py_ssize_t count = nb / (dt == dt_f32 || dt == dt_i32 ? 4 : 8), nonfinite = 0;
+    double lo = INFINITY, hi = -INFINITY, s = 0.0, ss = 0.0;
+    Py_BEGIN_ALLOW_THREADS  /* the batch is the caller's until it returns; nothing here touches Python */
+    if (dt == dt_f32) {
+#if defined(__x86_64__) || defined(__i386__)
+        if (have_avx2)
+            stats_f32_avx2((const float *)p, count, &nonfinite, &lo, &hi, &s, &ss);
+        else
+#endif
+        {
+            STATS_LOOP(float)
+        }
+    } else if (dt == dt_f64) {
+        STATS_LOOP(double)
+    } else if (dt == dt_i64) {
+        STATS_LOOP(int64_t)
+    } else {
+        STATS_LOOP(int32_t)
+    }
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(dddddd)", (double)count, (double)nonfinite, lo, hi, s, ss);
+}
+
 static void ring_copy(char *ring, Py_ssize_t cap, Py_ssize_t off, const char *src, Py_ssize_t n) {
     Py_ssize_t first = cap - off < n ? cap - off : n;
     memcpy(ring + off, src, first);
@@ -458,6 +571,8 @@ static PyMethodDef methods[] = {
      "weight_pass(params, sizes, batches, out, snap, settle): a detail step's or a settle's pass"},
     {"ring_put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
      "ring_put(mm, base, cap, w_at, r_at, parts) -> bool: one record into a ring of ring.py"},
+    {"batch_stats", batch_stats, METH_O,
+     "batch_stats(t) -> (numel, nonfinite, min, max, sum, sum of squares) of a CPU batch, or None"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
      "configure(torch.Tensor, nn.Parameter, float32, float64, int64, int32): the types the passes read"},
     {"simd", simd, METH_NOARGS, "which kernel runs: 'avx2' or 'baseline'"},

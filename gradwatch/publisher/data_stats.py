@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from gradwatch.publisher import native
 from gradwatch.publisher.segments import list_stats
 
 #: CPU batches up to this many values are read as one Python list: in the training loop (cold caches) a
@@ -32,6 +33,16 @@ def data_stats(t: Any, exact_on_host: bool, spread: bool = False) -> torch.Tenso
         return None
     x = t.detach()
     integer = 0.0 if (x.is_floating_point() or x.is_complex()) else 1.0
+    fn = native.batch_stats
+    if fn is not None and exact_on_host and not spread and x.numel() > PY_MAX:
+        # a big CPU batch in one compiled pass where it lies (float32/64, int64/32; ~40 us against ~95 with
+        # caches cold on 64x1024); only a batch with no non-finite value (the masked pass counts those)
+        got = fn(x)
+        if got is not None and got[1] == 0:
+            numel, _, lo_f, hi_f, s, ss = got
+            mean = s / numel
+            var = 0.0 if lo_f == hi_f else max(ss / numel - mean * mean, 0.0)
+            return (numel, 0.0, lo_f, hi_f, mean, math.sqrt(var), integer, math.nan)
     if x.is_complex():
         x = x.abs()
     if x.dtype != torch.float32:

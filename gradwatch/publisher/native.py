@@ -22,6 +22,8 @@ grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] 
 param_grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None
 #: ``weight_pass(params, sizes, batches, out, snap, settle) -> float``: a detail step's or its settle's pass.
 weight_pass: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any, Any, bool], float] | None = None
+#: ``batch_stats(t) -> (numel, nonfinite, min, max, sum, sumsq) | None``: a big CPU batch's statistics, or None.
+batch_stats: Callable[[Any], tuple[float, ...] | None] | None = None
 #: Why it is None, for the STATUS counters and the tests ("" when loaded).
 why_not = ""
 #: Batch dtypes the call converts to float32 itself (others take the copying path).
@@ -29,7 +31,7 @@ BATCH_DTYPES = frozenset({torch.float32, torch.float64, torch.int64, torch.int32
 
 
 def _load() -> None:
-    global grad_sumsq, param_grad_sumsq, weight_pass, why_not
+    global grad_sumsq, param_grad_sumsq, weight_pass, batch_stats, why_not
     if os.environ.get("GRADWATCH_NATIVE", "1").strip() == "0":
         why_not = "GRADWATCH_NATIVE=0"
         return
@@ -43,6 +45,7 @@ def _load() -> None:
         return
     _native.configure(torch.Tensor, torch.nn.Parameter, torch.float32, torch.float64, torch.int64, torch.int32)
     grad_sumsq, param_grad_sumsq, weight_pass = _native.grad_sumsq, _native.param_grad_sumsq, _native.weight_pass
+    batch_stats = _native.batch_stats
 
 
 _load()
