@@ -80,6 +80,40 @@ def test_a_ring_in_memory_of_its_own_is_shared_through_its_descriptor_and_touche
     other.close()
 
 
+def test_without_memfd_the_ring_is_a_private_file_that_is_gone_once_mapped(runtime: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off Linux there is no os.memfd_create: the ring is a 0600 file in the runtime directory, passed by
+    path, unlinked once the sidecar has mapped it; the steps arrive as through a memfd."""
+    from _fw import steps_of
+
+    monkeypatch.delattr(os, "memfd_create")
+    made: list[Path] = []
+    real = Ring.create.__func__  # type: ignore[attr-defined]
+
+    def create(cls: type, path: Path | None, *a: object, **k: object) -> Ring:
+        made.append(path)  # type: ignore[arg-type]
+        return real(cls, path, *a, **k)
+
+    monkeypatch.setattr(Ring, "create", classmethod(create))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = gradwatch.watch(model, opt, announce=False, diagnose=False)
+    try:
+        assert gw.sender is not None and type(gw.sender).__name__ == "SidecarSender"
+        assert len(made) == 1 and made[0] is not None and str(made[0]).startswith(str(runtime))
+        assert not made[0].exists()  # unlinked: both sides hold a mapping, nothing is left behind
+        client = gradwatch.connect(gw.run_id)
+        for _ in range(5):
+            model(torch.randn(3, 4)).sum().backward()
+            gw.step()
+            opt.step()
+            opt.zero_grad()
+        assert sorted(steps_of(client, 5)) == list(range(5))
+        client.close()
+    finally:
+        gw.close()
+
+
 def test_a_step_decodes_the_same_through_the_ring_as_in_a_thread() -> None:
     """The sidecar decodes the bytes the trainer packed; the Step must equal the one the in-process
     sender builds from the torch Work itself, for a buffer, host values and a meta with ints as keys."""
