@@ -55,3 +55,10 @@ def test_diagnosis_and_control_client_load_neither_torch_nor_ui() -> None:
         assert name not in mods, name
     mods = _modules_after("import gradwatch.tui.app, gradwatch.tui.pause, gradwatch.tui.screens.console")
     assert "torch" not in mods and "pdb" not in mods
+
+
+def test_the_sidecar_and_the_records_it_reads_never_import_torch() -> None:
+    """The sidecar runs beside the trainer on its own core: importing torch there would cost it ~1 s at start
+    and hundreds of MiB (docs/design.md, "The sidecar")."""
+    mods = _modules_after("import gradwatch.publisher.sidecar, gradwatch.publisher.raw_record, gradwatch.publisher.slots")
+    assert "torch" not in mods and "gradwatch.publisher.raw_record" in mods

@@ -195,7 +195,7 @@ def test_a_native_detail_step_in_the_fixed_layout_reads_as_its_msgpack_record() 
 
 
 def test_hyper_parameters_that_do_not_fit_the_fixed_layout_take_msgpack() -> None:
-    from gradwatch.publisher.steady import _hyper_bytes
+    from gradwatch.publisher.raw_record import detail_hyper as _hyper_bytes
 
     assert _hyper_bytes(None) == b"" and _hyper_bytes([]) == b""
     assert len(_hyper_bytes([{"lr": 0.1}, {"lr": 0.2, "beta1": 0.9}]) or b"") == 2 * 7 * 8

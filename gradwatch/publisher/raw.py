@@ -26,9 +26,8 @@ from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
 from gradwatch.publisher.hyper import scalar_part
 from gradwatch.publisher.parts import Parts
-from gradwatch.publisher.slots import (
-    _LINE, DATA_MAX, W_DETAIL, W_ONLY, W_SETTLE, W_SNAP, SlotSpec, SlotTable, encode_raw, norms_of_sums,
-)
+from gradwatch.publisher.raw_record import DATA_MAX, W_DETAIL, W_ONLY, W_SETTLE, W_SNAP, encode_raw, norms_of_sums
+from gradwatch.publisher.slots import _LINE, SlotSpec, SlotTable
 
 if TYPE_CHECKING:
     from gradwatch.publisher.collect import Collector

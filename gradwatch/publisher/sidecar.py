@@ -31,7 +31,8 @@ from gradwatch.procs import proc_stat
 from gradwatch.publisher.poll_pace import POLL_S, PollPace
 from gradwatch.publisher.handoff import ALERT, CONN, COUNTERS, EVENT, RAW, STATUS, STOP, WORK, pack, unpack
 from gradwatch.publisher.ring import Ring
-from gradwatch.publisher.slots import W_ONLY, SlotReader, SlotSpec, decode_raw
+from gradwatch.publisher.raw_record import W_ONLY, decode_raw
+from gradwatch.publisher.slots import SlotReader, SlotSpec
 from gradwatch.publisher.sender import Sender, SenderConfig
 
 #: The sidecar reports its counters to the trainer this often.
@@ -79,7 +80,7 @@ class Sidecar:
     # ------------------------------------------------------------------ records from the trainer
 
     def dispatch(self, payload: bytes) -> None:
-        if payload[:1] == b"\xc1":  # slots.MARK: a steady step of the raw hand-off, fixed layout
+        if payload[:1] == b"\xc1":  # raw_record.MARK: a steady step of the raw hand-off, fixed layout
             step, ts, slot, seq, meta, data, wflags, values = decode_raw(payload)
             self._raw(step, ts, slot, seq, meta, data, values, wflags)
             return
@@ -118,7 +119,7 @@ class Sidecar:
             self.bad_records += 1
             return
         try:
-            if slot < 0:  # the native steady step: everything is in the record (slots._NORMS, native detail)
+            if slot < 0:  # the native steady step: everything is in the record (raw_record._NORMS, native detail)
                 self.slots.inline(values, meta, data, step, wflags)
             else:
                 self.slots.reduce(slot, seq, data, meta, values, step, wflags)

@@ -29,9 +29,9 @@ from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
 from gradwatch.publisher.parts import Parts
 from gradwatch.publisher.raw import integer_flag
-from gradwatch.publisher.slots import (
-    _CLIP, _CLIP_AT, _DETAIL, _HEAD, _IN, _IN_INT, _LOSS, _NORMS, _SETTLE, _SNAP, _TGT, _TGT_INT, DETAIL_KEYS, MARK,
-    W_DETAIL, W_SETTLE, W_SNAP,
+from gradwatch.publisher.raw_record import (
+    _CLIP, _CLIP_AT, _DETAIL, _HEAD, _IN, _IN_INT, _LOSS, _NORMS, _SETTLE, _SNAP, _TGT, _TGT_INT, MARK, W_DETAIL,
+    W_SETTLE, W_SNAP, detail_hyper,
 )
 from gradwatch.publisher.trouble import FIRST_DETAIL, is_clip, is_detail
 
@@ -49,29 +49,6 @@ _isfinite = math.isfinite
 _sqrt = math.sqrt
 _now = time.time
 _UNSET = object()
-_NAN = math.nan
-
-
-def _hyper_bytes(hyper: list[dict[str, float]] | None) -> bytes | None:
-    """A detail step's hyper-parameters as :data:`~.slots.DETAIL_KEYS` doubles per group (NaN: the group has
-    no such key); None when they do not fit that form (another key, a NaN value: the msgpack record)."""
-    if not hyper:
-        return b""  # no optimizer (or no group): nothing follows the head
-    out: list[float] = []
-    for h in hyper:
-        if len(h) > len(DETAIL_KEYS):
-            return None
-        n = 0
-        for k in DETAIL_KEYS:
-            v = h.get(k, _NAN)
-            if v == v:
-                n += 1
-            elif k in h:
-                return None  # a NaN hyper-parameter would read as an absent one
-            out.append(v)
-        if n != len(h):
-            return None  # a key of another name
-    return struct.pack(f"<{len(out)}d", *out)
 
 
 class SteadyStep:
@@ -240,7 +217,7 @@ class SteadyStep:
         if mode == 3:  # a native detail step's hyper-parameters, fixed layout (cached while they are the same)
             hb = self._hb[1] if hyper == self._hb[0] else None
             if hb is None:
-                hb = _hyper_bytes(hyper)
+                hb = detail_hyper(hyper)
                 self._hb = (hyper, hb)
         # ---- committed: from here on the step is this one's, as the general path would have left it
         w = self.w
@@ -269,7 +246,7 @@ class SteadyStep:
                     flags |= _LOSS
                 else:
                     loss_f = 0.0
-                # native: no slot; its field holds how many sums follow, then the pass's buffer (slots._NORMS)
+                # native: no slot; its field holds how many sums follow, then the pass's buffer (raw_record._NORMS)
                 groups, per_group = (len(hyper or ()), hb) if mode == 3 else (self._groups, self._lr_bytes)
                 head = _pack(MARK, flags | (_NORMS if mode else 0) | (_CLIP if clip is not None else 0), groups,
                              self._ntensors if mode else i, step, _now(), seq, loss_f, n_in, n_t)
