@@ -65,16 +65,11 @@ class Collector:
         ~25 us against ~110 us of norms with caches cold)."""
         step, self.clip_due = self.clip_due, None
         if self.raw is not None:  # the compiled pass reads each parameter's .grad itself (no list, no copy)
-            sq = self.raw.param_sumsq(self.probe.params)
+            sq = self.raw.sumsq(self.probe.params)
             if sq is not None:
                 self._clip = (step, (math.sqrt(sq) if sq >= 0 else math.nan,))
                 return
         grads = [p.grad for p in self.probe.params]
-        if self.raw is not None:
-            sq = self.raw.sumsq(grads)
-            if sq is not None:
-                self._clip = (step, (math.sqrt(sq) if sq >= 0 else math.nan,))
-                return
         vec = self.probe._norm_vec(grads, 2.0, all(g is not None for g in grads))
         self._clip = (step, torch.linalg.vector_norm(vec))
 

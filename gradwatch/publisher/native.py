@@ -16,7 +16,8 @@ import torch
 
 from gradwatch.publisher.ring import NATIVE_ABI
 
-#: ``grad_sumsq(grads, sizes, batches, out) -> float`` (see _native.c), or None.
+#: ``grad_sumsq(grads, sizes, batches, out) -> float`` (see _native.c), or None: the same C body as
+#: :data:`param_grad_sumsq` given the gradients themselves (what tests/test_native.py drives it with).
 grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None
 #: The same, given the parameters (it reads each ``.grad``): what the steady step calls, or None.
 param_grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], float] | None = None

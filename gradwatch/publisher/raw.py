@@ -101,31 +101,21 @@ class RawHandoff:
         n = sum(b.numel() for b in batches)
         return sq, math.isfinite(sum(self._data_mv[slot][:n]))
 
-
-    def param_sumsq(self, params: list[Any]) -> float | None:
-        """:meth:`sumsq` of the parameters' gradients by the native call alone (it reads each ``.grad``);
-        None when it cannot (no extension, a missing or unreadable gradient: then :meth:`sumsq`)."""
+    def sumsq(self, params: list[Any]) -> float | None:
+        """The sum of squares of the parameters' gradients (the clipped total, :meth:`.Collector.measure_clip`):
+        read in place by the native call where it can (it reads each ``.grad``; float64, :mod:`.native`), else
+        the float32 dot of a private copy like a slot's; None when they do not fit the slots' layout (a missing
+        gradient, another dtype)."""
         fn = native.param_grad_sumsq
-        if fn is None:
-            return None
-        if self._sums is None:
-            self._sums = bytearray(8 * len(self.spec.sizes))
-        sq = fn(params, self.spec.sizes, (), self._sums)
-        return sq if sq >= 0 or sq != sq else None
-
-    def sumsq(self, grads: list[Any]) -> float | None:
-        """The sum of squares of ``grads`` (the clipped total, :meth:`.Collector.measure_clip`): read in place by
-        the native call where it can (float64, :mod:`.native`), else the float32 dot of a private copy like a
-        slot's; None when they do not fit the slots' layout (a missing gradient)."""
-        if any(g is None for g in grads) or grads[0].dtype not in _EXACT:
-            return None
-        fn = native.grad_sumsq
         if fn is not None:
             if self._sums is None:
                 self._sums = bytearray(8 * len(self.spec.sizes))
-            sq = fn(grads, self.spec.sizes, (), self._sums)
+            sq = fn(params, self.spec.sizes, (), self._sums)
             if sq >= 0 or sq != sq:  # -1: not one it can read (bf16, a strided gradient): the copy below
                 return sq
+        grads = [p.grad for p in params]
+        if any(g is None for g in grads) or grads[0].dtype not in _EXACT:
+            return None
         if self._scratch is None:
             self._scratch = torch.empty(self.spec.n)
             self._scratch_views = self._tensor_views(self._scratch, 0)
