@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from gradwatch.publisher.act_plan import ActivationPlan
+from gradwatch.publisher.clipped import ClipShortcut
 from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.first_step import FirstStep
 from gradwatch.publisher.probes import GradProbe, Parts, RateCache, hyper_of, scalar_part
@@ -50,6 +51,7 @@ class Collector:
         self.first = FirstStep()  # the first step's hooks: backward order, modules run without autograd
         self.clip_due: int | None = None  # explicit mode: measure the norm before optimizer.step() of this step
         self._clip: tuple[int, Any] | None = None
+        self.clip_same = ClipShortcut()  # the boundary's total answers when no gradient was written since
         self._rates = RateCache()  # the learning rates of non-detail steps, rebuilt only when one changed
         #: The raw hand-off (:mod:`.raw`), set by the wiring when a sidecar has slots for this model.
         self.raw: Any = None
@@ -59,19 +61,35 @@ class Collector:
 
     # ------------------------------------------------------------------ the boundary
 
+    def arm_clip(self, step: int, total: Any) -> None:
+        """A clip step's boundary (explicit mode, ``trouble.is_clip``): the optimizer hook measures the total
+        after the user's clipping -- or takes ``total`` when no gradient was written since (:mod:`.clipped`)."""
+        self.clip_due = step
+        self.clip_same.arm(total, self.probe.params, self.scaler)
+
     def measure_clip(self) -> None:
         """Explicit mode, on the clip cadence (``trouble.is_clip``): the total norm after the user's clipping,
-        before the update. With the raw hand-off, the native call's pass (or the raw path's own copy and dot,
-        ~25 us against ~110 us of norms with caches cold)."""
+        before the update. The boundary's own total when every gradient is the tensor it measured at the
+        version it had (:mod:`.clipped`); else, with the raw hand-off, the native call's pass (or the raw
+        path's own copy and dot, ~25 us against ~110 us of norms with caches cold)."""
         step, self.clip_due = self.clip_due, None
+        params = self.probe.params
+        same, expected = self.clip_same.answer(params)
+        if same is not None:
+            self._clip = (step, (same,))
+            return
         if self.raw is not None:  # the compiled pass reads each parameter's .grad itself (no list, no copy)
-            sq = self.raw.sumsq(self.probe.params)
+            sq = self.raw.sumsq(params)
             if sq is not None:
-                self._clip = (step, (math.sqrt(sq) if sq >= 0 else math.nan,))
+                total = math.sqrt(sq) if sq >= 0 else math.nan
+                self.clip_same.check(expected, total)
+                self._clip = (step, (total,))
                 return
-        grads = [p.grad for p in self.probe.params]
+        grads = [p.grad for p in params]
         vec = self.probe._norm_vec(grads, 2.0, all(g is not None for g in grads))
-        self._clip = (step, torch.linalg.vector_norm(vec))
+        total_t = torch.linalg.vector_norm(vec)
+        self.clip_same.check(expected, total_t)  # (expected is None off the host: no sync)
+        self._clip = (step, total_t)
 
     def after_optimizer_step(self) -> None:
         """The optimizer stepped (its post-hook): the probe may hand the next boundary's weight work to its
@@ -157,7 +175,7 @@ class Collector:
             self.acts.armed = AUTO_ARM_STEPS + 1
         self.take_clip(parts, meta)
         if clip and explicit and self.measure_clips and self.optimizer is not None:
-            self.clip_due = step
+            self.arm_clip(step, total)
         if self.pause_on_nonfinite:
             # one pause per non-finite episode: a run that stays NaN after "continue" is not paused
             # again at every step; the first finite step re-arms it

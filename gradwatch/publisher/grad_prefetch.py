@@ -35,7 +35,7 @@ except Exception:  # noqa: BLE001 - a torch built without distributed
     _dist_initialized = None
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
     try:
         return _dist_initialized is not None and bool(_dist_initialized())
     except Exception:  # noqa: BLE001
@@ -71,7 +71,7 @@ class GradPrefetch:
         self.served = 0  # norms the boundary took from the worker
         self.redone = 0  # norms it measured itself (a gradient written or replaced after its hook)
         self.max_served = 0  # detail boundaries whose max-abs came from the worker
-        self.off = _distributed()
+        self.off = distributed()
         self._handles: list[Any] = []
         if not self.off:
             self._handles = [p.register_post_accumulate_grad_hook(partial(self._hook, i)) for i, p in enumerate(params)]
@@ -102,7 +102,7 @@ class GradPrefetch:
         (off, gone, failed): then the boundary measures everything as before."""
         if self.off or self.ov.off:
             return None
-        if _distributed():
+        if distributed():
             self.close()
             return None
         # the worker is usually done by now; waking it for a flush would cost more (~0.1 ms) than the check

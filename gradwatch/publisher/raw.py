@@ -231,7 +231,7 @@ def raw_boundary(col: Collector, step: int, loss: Any, inputs: Any, targets: Any
                 parts.values["dwn"] = dwn
         payload = pack([RAW, step, ts, slot, seq, meta, parts.values, data, wflags])
     if clip and explicit and col.measure_clips and col.optimizer is not None:
-        col.clip_due = step
+        col.arm_clip(step, total)
     if col.raw_submit is not None and col.raw_submit(payload):
         raw.table.commit(slot, seq)
         col._raw_snap = bool(wflags & W_SNAP)

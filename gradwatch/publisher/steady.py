@@ -267,7 +267,7 @@ class SteadyStep:
                 if mode == 3:
                     self.raw.native_snap = step  # the next step settles against raw.wsnap
             if opt is not None and col.measure_clips and is_clip(pub, col.detail_every):
-                col.clip_due = step  # the optimizer hook measures the total after the user's clipping
+                col.arm_clip(step, total)  # the optimizer hook: the total after the user's clipping
             col.raw_steps += 1
             acts._next = step + 1
             self.served += 1
