@@ -9,6 +9,7 @@ import sys
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
-    "gradwatch.publisher._native", ["gradwatch/publisher/_native.c"], optional=True,
-    extra_compile_args=[] if sys.platform == "win32" else ["-O3", "-fno-strict-aliasing"],
+    "gradwatch.publisher._native", ["gradwatch/publisher/_native.c", "gradwatch/publisher/_native_norms.c"],
+    depends=["gradwatch/publisher/_native.h"], optional=True,
+    extra_compile_args=[] if sys.platform == "win32" else ["-O3", "-fno-strict-aliasing", "-pthread"],
 )])

@@ -121,13 +121,22 @@ class Loop(Variant):
 def build(name: str, loop: Loop) -> None:
     import gradwatch
 
-    if name in ("gradwatch", "gradwatch+sub"):
-        gw = gradwatch.watch(loop.model, loop.opt, name=f"phases-{name}", every=1, announce=False)
+    if name in ("gradwatch", "gradwatch+sub", "gradwatch+sub_nodiag", "gradwatch+sub_nooverlap"):
+        # _nodiag: the sidecar decodes and sends, without the diagnosis engine (its share of the spare core);
+        # _nooverlap: GRADWATCH_OVERLAP=0, no worker thread (every norm at the boundary)
+        if name.endswith("_nooverlap"):
+            os.environ["GRADWATCH_OVERLAP"] = "0"
+        try:
+            gw = gradwatch.watch(loop.model, loop.opt, name=f"phases-{name}", every=1, announce=False,
+                                 diagnose=not name.endswith("_nodiag"))
+        finally:
+            if name.endswith("_nooverlap"):
+                os.environ.pop("GRADWATCH_OVERLAP", None)
         x, y = loop.x, loop.y
         loop.gw = gw
         loop.monitor = lambda loss: gw.step(loss, inputs=x, targets=y)
         loop.closers.append(gw.close)
-        if name == "gradwatch+sub":
+        if name.startswith("gradwatch+sub"):
             sub = start_subscriber(gw.connection_file)
             loop.closers.append(sub.kill)
     elif name == "fused_ref":

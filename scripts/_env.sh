@@ -1,11 +1,11 @@
 # Sourced by scripts/demo and scripts/test: create or refresh the project's own
-# virtual environment in .venv. Re-installs only when pyproject.toml, setup.py, _native.c or this file change.
+# virtual environment in .venv. Re-installs only when pyproject.toml, setup.py, the C sources (_native*.c, .h) or this file change.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 py="${PYTHON:-python3}"
 # (the C extension's source too: the editable install builds it once, so a changed _native.c means a rebuild)
-stamp_want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root/scripts/_env.sh" "$root/gradwatch/publisher/_native.c" \
+stamp_want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root/scripts/_env.sh" "$root"/gradwatch/publisher/_native*.[ch] \
   | sha256sum | cut -c1-16)"
 stamp_file="$venv/.gradwatch-stamp"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_want" ]; then

@@ -45,13 +45,16 @@ def _call(grads: list[torch.Tensor], batches: tuple[torch.Tensor, ...] = (), siz
 @given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=12), seed=st.integers(0, 2**16),
        scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e6, 1e30]))
 def test_sums_of_squares_are_torchs_in_float64(sizes: list[int], seed: int, scale: float) -> None:
+    """Within 1e-6 of the float64 sum (AVX2: float32 lanes over blocks of 256 values, the blocks in float64);
+    exact where float32 squares would overflow (1e30) or lose their digits (1e-30): those go through float64."""
     g = torch.Generator().manual_seed(seed)
-    grads = [torch.randn(n, generator=g) * scale for n in sizes]  # 1e30: float32 squares would overflow
+    grads = [torch.randn(n, generator=g) * scale for n in sizes]
     total, out = _call(grads)
     sums = np.frombuffer(out, dtype=np.float64)
     ref = np.array([float(t.double().square().sum()) for t in grads])
-    assert np.allclose(sums, ref, rtol=1e-12, atol=0)
-    assert math.isclose(total, float(ref.sum()), rel_tol=1e-12)
+    rel = 1e-12 if scale in (1e-30, 1e30) else 1e-6
+    assert np.allclose(sums, ref, rtol=rel, atol=0)
+    assert math.isclose(total, float(ref.sum()), rel_tol=rel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.int32])

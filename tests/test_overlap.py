@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gradwatch
-from _fw import assert_same_measurements, steps_of
+from _fw import NORM_REL, assert_same_measurements, steps_of
 
 torch.set_num_threads(1)
 
@@ -64,7 +64,7 @@ def test_overlapped_detail_steps_publish_what_the_boundary_measures(runtime: Pat
     (got, worker), (ref, _) = (_train(seed, on, steps, monkeypatch, adam=adam, hooks=hooks) for on in (True, False))
     assert sorted(got) == sorted(ref) == list(range(steps))
     for k in range(steps):
-        assert_same_measurements(got[k], ref[k], 1e-6)
+        assert_same_measurements(got[k], ref[k], NORM_REL)
     with_wn = [k for k in range(steps) if got[k].weight_norm is not None]
     with_ur = [k for k in range(steps) if got[k].update_ratio is not None]
     assert with_wn == [0, 1, 2, 4, 8, 12, 16, 20] and with_ur == [1, 2, 3, 5, 9, 13, 17, 21]
@@ -78,7 +78,7 @@ def test_a_weight_written_after_the_optimizer_step_is_measured_at_the_boundary(
     poke = {3, 8}  # before detail step 4 (its weights job is stale) and before settle 9 (the settle's)
     (got, worker), (ref, _) = (_train(3, on, 12, monkeypatch, poke=poke) for on in (True, False))
     for k in range(12):
-        assert_same_measurements(got[k], ref[k], 1e-6)
+        assert_same_measurements(got[k], ref[k], NORM_REL)
     assert got[4].weight_norm is not None and got[9].update_ratio is not None
     assert worker.stale == 2
 
@@ -93,7 +93,7 @@ def test_a_failing_job_switches_the_worker_off_and_the_boundary_measures(runtime
     monkeypatch.setattr(GradProbe, "settle_ratio", broken)
     (got, worker), (ref, _) = (_train(4, on, 10, monkeypatch) for on in (True, False))
     for k in range(10):
-        assert_same_measurements(got[k], ref[k], 1e-6)
+        assert_same_measurements(got[k], ref[k], NORM_REL)
     assert got[1].update_ratio is not None  # measured at the boundary after the job failed
     assert worker.off and worker.served == 0
 
@@ -189,6 +189,6 @@ def test_through_lightning_the_overlapped_steps_are_the_boundarys(runtime: Path,
     (got, worker), (ref, _) = (_fit_lightning(on, monkeypatch, clip) for on in (True, False))
     assert sorted(got) == sorted(ref) == list(range(12))
     for k in range(12):
-        assert_same_measurements(got[k], ref[k], 1e-6)
+        assert_same_measurements(got[k], ref[k], NORM_REL)
     assert [k for k in range(12) if got[k].update_ratio is not None] == [1, 2, 3, 4, 7, 10]
     assert worker.served == 2 + 6 and worker.stale == 0  # detail steps 6 and 9 (3 follows one); every settle

@@ -8,8 +8,12 @@ each one to the worker thread of :mod:`.overlap`, which measures its norm on the
 goes on with the layers below; the boundary measures the batches meanwhile, then reads the results (a
 detail step's max-abs too, from each gradient's ``aminmax``).
 
-Exactly the same numbers or none: the worker calls the very ``torch._foreach_norm`` the boundary would (on
-CPU its per-tensor kernel: the same bits for a tensor alone as in a list), and a norm is used only if the
+Where the extension is built, an ordinary step's gradients go to its worker thread instead
+(``_native_norms.c``): a float64 sum of squares taken without the GIL, so the last gradients of backward no
+longer wait for the training thread to let go of it (bench/README.md 1.18). A detail step's go to the Python
+worker, which also takes their ``aminmax``. Its norms are the very ``torch._foreach_norm`` the boundary would
+take (on CPU its per-tensor kernel: the same bits for a tensor alone as in a list); the native worker's are
+the float32 rounding of the square root of a float64 sum (within 1e-7 of them). Either way a norm is used only if the
 parameter's ``.grad`` is still the tensor it measured, at the version it measured (``Tensor._version``,
 bumped by every in-place write: a second micro-batch accumulated into it, clipping before ``gw.step()``,
 unscaling). Any other gradient is measured at the boundary. Off under ``torch.distributed``: DDP's reducer
@@ -19,6 +23,7 @@ through an operator that bumps the version.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from weakref import ref
 from typing import Any, Callable
@@ -26,7 +31,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from gradwatch.publisher import native
 from gradwatch.publisher.overlap import Overlap
+
+#: The longest the boundary waits for the native worker's sums (it needs a few hundred microseconds; only a
+#: thread that is gone takes this long, and then the Python worker takes every gradient from then on).
+NATIVE_WAIT_S = 5.0
 
 
 try:
@@ -66,12 +76,24 @@ class GradPrefetch:
         self.wanted = True
         self._taken: list[tuple[Any, ...] | None] | None = None  # the records norms() took, for minmax()
         self._out: tuple[torch.Tensor, Any] | None = None  # the boundary's vector and its numpy view
+        self.posts = 0  # gradients handed to either worker (a counter for tests and benches)
         self._posted = 0  # hooks that handed a gradient over (the training thread counts)
         self._measured = 0  # of those, the ones the worker is done with (the worker counts)
         self.served = 0  # norms the boundary took from the worker
         self.redone = 0  # norms it measured itself (a gradient written or replaced after its hook)
         self.max_served = 0  # detail boundaries whose max-abs came from the worker
+        self.native_served = 0  # of ``served``, the norms from the native worker's sums
+        #: the native worker (``_native_norms.c``) where the extension has it; per parameter the gradient posted
+        #: to it (weakly) and its version then; how many were posted since the last boundary
+        self._nw: Any = None
+        self._nrec: list[tuple[Any, ...] | None] = [None] * self.n
+        self._nposted = 0
         self.off = distributed()
+        if not self.off and native.norms_open is not None:
+            try:
+                self._nw = native.norms_open(tuple(p.numel() for p in params))
+            except Exception:  # noqa: BLE001 - the Python worker takes them all
+                self._nw = None
         self._handles: list[Any] = []
         if not self.off:
             self._handles = [p.register_post_accumulate_grad_hook(partial(self._hook, i)) for i, p in enumerate(params)]
@@ -80,8 +102,16 @@ class GradPrefetch:
         """In backward, on the training thread: never raises (it would surface in ``loss.backward()``)."""
         try:
             g = p.grad
-            if self.wanted and g is not None and not self.off and self.ov.post((self._measure, i, g, g._version, self.want_max)):
+            if not self.wanted or g is None or self.off:
+                return
+            nw = self._nw
+            if nw is not None and not self.want_max and native.norms_post(nw, g, i):
+                self._nrec[i] = (ref(g), g._version)
+                self._nposted += 1
+                self.posts += 1
+            elif self.ov.post((self._measure, i, g, g._version, self.want_max)):
                 self._posted += 1
+                self.posts += 1
         except Exception:  # noqa: BLE001
             pass
 
@@ -101,10 +131,18 @@ class GradPrefetch:
         """At the boundary: the float32 norm vector (into ``out``), or None when the worker cannot be trusted
         (off, gone, failed): then the boundary measures everything as before."""
         if self.off or self.ov.off:
+            self._close_native()
             return None
         if distributed():
             self.close()
             return None
+        sums: list[float | None] | None = None
+        nrec, self._nrec = self._nrec, [None] * self.n
+        if self._nposted:
+            self._nposted = 0
+            sums = native.norms_take(self._nw, NATIVE_WAIT_S) if self._nw is not None else None
+            if sums is None:  # its thread did not finish (or could not start): the Python worker from now on
+                self._close_native()
         # the worker is usually done by now; waking it for a flush would cost more (~0.1 ms) than the check
         flushed = self._measured == self._posted or self.ov.flush()
         got, self._got = self._got, [None] * self.n
@@ -113,9 +151,13 @@ class GradPrefetch:
             return None
         vals: list[Any] = []
         redo: list[int] = []
+        from_native = 0
         for i, (g, r) in enumerate(zip(grads, got)):
             if _current(r, g):
                 vals.append(r[2])
+            elif sums is not None and sums[i] is not None and _current(nrec[i], g):
+                vals.append(math.sqrt(sums[i]))  # (NaN and inf as they are; float32 once in the vector)
+                from_native += 1
             else:
                 vals.append(None)
                 redo.append(i)
@@ -124,6 +166,7 @@ class GradPrefetch:
                 vals[i] = v
             self.redone += len(redo)
         self.served += self.n - len(redo)
+        self.native_served += from_native
         if self._out is None or self._out[0] is not out:
             self._out = (out, out.numpy())
         self._out[1][:] = vals  # float32 values held as floats: exact both ways (no stack of 0-d tensors)
@@ -152,3 +195,15 @@ class GradPrefetch:
                 pass
         self._handles = []
         self._got = [None] * self.n
+        self._close_native()
+
+    def _close_native(self) -> None:
+        """Stop the native worker's thread and drop what it holds (close, a failure, distributed training)."""
+        nw, self._nw = self._nw, None
+        self._nrec = [None] * self.n
+        self._nposted = 0
+        if nw is not None:
+            try:
+                native.norms_close(nw)
+            except Exception:  # noqa: BLE001
+                pass

@@ -25,6 +25,13 @@ param_grad_sumsq: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any], f
 weight_pass: Callable[[list[Any], tuple[int, ...], tuple[Any, ...], Any, Any, bool], float] | None = None
 #: ``batch_stats(t) -> (numel, nonfinite, min, max, sum, sumsq) | None``: a big CPU batch's statistics, or None.
 batch_stats: Callable[[Any], tuple[float, ...] | None] | None = None
+#: The gradient-norm worker thread (_native_norms.c, used by grad_prefetch.py): ``norms_open(sizes)`` gives one,
+#: ``norms_post(w, grad, slot) -> bool``, ``norms_take(w, timeout_s) -> list[float | None] | None``,
+#: ``norms_close(w)``; all None where the extension is not loaded (or has no threads: Windows).
+norms_open: Callable[[tuple[int, ...]], Any] | None = None
+norms_post: Callable[[Any, Any, int], bool] | None = None
+norms_take: Callable[[Any, float], list[float | None] | None] | None = None
+norms_close: Callable[[Any], None] | None = None
 #: Why it is None, for the STATUS counters and the tests ("" when loaded).
 why_not = ""
 #: Batch dtypes the call converts to float32 itself (others take the copying path).
@@ -32,7 +39,7 @@ BATCH_DTYPES = frozenset({torch.float32, torch.float64, torch.int64, torch.int32
 
 
 def _load() -> None:
-    global grad_sumsq, param_grad_sumsq, weight_pass, batch_stats, why_not
+    global grad_sumsq, param_grad_sumsq, weight_pass, batch_stats, why_not, norms_open, norms_post, norms_take, norms_close
     if os.environ.get("GRADWATCH_NATIVE", "1").strip() == "0":
         why_not = "GRADWATCH_NATIVE=0"
         return
@@ -47,6 +54,9 @@ def _load() -> None:
     _native.configure(torch.Tensor, torch.nn.Parameter, torch.float32, torch.float64, torch.int64, torch.int32)
     grad_sumsq, param_grad_sumsq, weight_pass = _native.grad_sumsq, _native.param_grad_sumsq, _native.weight_pass
     batch_stats = _native.batch_stats
+    if hasattr(_native, "norms_open"):
+        norms_open, norms_post = _native.norms_open, _native.norms_post
+        norms_take, norms_close = _native.norms_take, _native.norms_close
 
 
 _load()
