@@ -121,7 +121,7 @@ class Loop(Variant):
 def build(name: str, loop: Loop) -> None:
     import gradwatch
 
-    if name in ("gradwatch", "gradwatch+sub", "gradwatch+sub_nodiag", "gradwatch+sub_nooverlap"):
+    if name in ("gradwatch", "gradwatch+sub", "gradwatch+sub_nodiag", "gradwatch+sub_nooverlap", "gradwatch_stopped"):
         # _nodiag: the sidecar decodes and sends, without the diagnosis engine (its share of the spare core);
         # _nooverlap: GRADWATCH_OVERLAP=0, no worker thread (every norm at the boundary)
         if name.endswith("_nooverlap"):
@@ -136,6 +136,12 @@ def build(name: str, loop: Loop) -> None:
         loop.gw = gw
         loop.monitor = lambda loss: gw.step(loss, inputs=x, targets=y)
         loop.closers.append(gw.close)
+        if name == "gradwatch_stopped":  # its sidecar SIGSTOPped throughout: what its work on the spare core costs
+            import signal
+
+            pid = gw.sender._proc.pid
+            os.kill(pid, signal.SIGSTOP)
+            loop.closers.insert(0, lambda: os.kill(pid, signal.SIGCONT))
         if name.startswith("gradwatch+sub"):
             sub = start_subscriber(gw.connection_file)
             loop.closers.append(sub.kill)
