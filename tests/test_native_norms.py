@@ -142,3 +142,22 @@ def test_bad_arguments_are_type_errors() -> None:
             native.norms_take(w, "soon")  # type: ignore[arg-type]
     finally:
         native.norms_close(w)
+
+
+def test_a_finished_gradient_is_let_go_at_the_next_post() -> None:
+    """A backward no boundary takes (an evaluation) leaves its gradients with the worker only until the next
+    backward posts: zero_grad(set_to_none=True) then frees them, whatever the worker did."""
+    w = native.norms_open((1 << 16, 1 << 16))
+    try:
+        t = torch.randn(1 << 16)
+        alive = weakref.ref(t)
+        assert native.norms_post(w, t, 0)
+        del t
+        gc.collect()
+        assert alive() is not None  # the worker's reference: its memory stays while the job may run
+        time.sleep(0.05)  # (the job takes microseconds)
+        assert native.norms_post(w, torch.randn(1 << 16), 1)
+        gc.collect()
+        assert alive() is None
+    finally:
+        native.norms_close(w)

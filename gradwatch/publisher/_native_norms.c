@@ -13,7 +13,8 @@
  * norms_open(sizes: tuple[int, ...]) -> capsule: one worker for parameters of these sizes (started lazily).
  * norms_post(cap, grad, slot) -> bool: False when the pass cannot read it (not an exact contiguous float32 CPU
  *     tensor of sizes[slot] values), the queue is full, the worker cannot start, or this is a forked child:
- *     then the caller measures that gradient another way.
+ *     then the caller measures that gradient another way. First drops the references of finished jobs: a
+ *     gradient is held at most until the next post or take (one backward's gradients at most).
  * norms_take(cap, timeout_s) -> list[float | None] | None: waits until every post is done, then per slot the
  *     sum of squares of its last post since the last take (None: none); None when the worker did not finish
  *     in time or this is a forked child. Drops the references of the finished posts.
@@ -193,8 +194,14 @@ PyObject *gw_norms_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         w->started = 1;
     }
     PyObject *refs[16];
+    size_t nd;
+    do { /* every finished job's reference goes now, 16 at a time (a drop may run Python code that posts) */
+        pthread_mutex_lock(&w->mu);
+        nd = collect_drops(w, w->head, refs, 16);
+        pthread_mutex_unlock(&w->mu);
+        drop_refs(refs, nd);
+    } while (nd == 16);
     pthread_mutex_lock(&w->mu);
-    size_t nd = collect_drops(w, w->head, refs, 16);
     int ok = w->tail - w->rel < w->cap;
     if (ok) {
         Py_INCREF(args[1]);
@@ -205,7 +212,6 @@ PyObject *gw_norms_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         pthread_cond_signal(&w->work);
     }
     pthread_mutex_unlock(&w->mu);
-    drop_refs(refs, nd);
     return PyBool_FromLong(ok);
 }
 
