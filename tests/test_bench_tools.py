@@ -95,3 +95,24 @@ def test_ab_ref_rejects_an_unknown_ref_in_one_line(runtime: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.startswith("ab_ref.py: cannot extract gradwatch at 'no-such-ref-xyz'"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_prefetch_wait_script_reports_the_boundary_and_the_worker(runtime: Path) -> None:
+    """bench/prefetch_wait.py (bench/README.md 1.18): on the 8x1024 MLP every norm comes from the workers (the
+    native one where the extension has it) and none is measured again at the boundary; on the lean path it
+    says there is no worker, in one line."""
+    from gradwatch.publisher import native
+
+    r = subprocess.run([PY, str(ROOT / "bench" / "prefetch_wait.py"), "--steps", "8"], cwd=ROOT,
+                       env=child_env(runtime), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = re.search(r"mid_mlp, (native|python) worker: gw.step\(\) median \d+ us.*norms served (\d+) \(native (\d+)\), "
+                  r"measured at the boundary (\d+)", r.stdout)
+    assert m, r.stdout
+    assert m.group(1) == ("native" if native.norms_open is not None else "python")
+    assert int(m.group(2)) == 8 * 16 and int(m.group(4)) == 0
+    assert (int(m.group(3)) > 0) == (native.norms_open is not None)
+    r = subprocess.run([PY, str(ROOT / "bench" / "prefetch_wait.py"), "--model", "tiny_mlp", "--steps", "3"], cwd=ROOT,
+                       env=child_env(runtime), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 1 and r.stdout.startswith("prefetch_wait.py: no worker for tiny_mlp"), r.stdout
+    assert "Traceback" not in r.stderr
