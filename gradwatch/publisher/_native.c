@@ -49,8 +49,6 @@ static PyObject *s_dtype, *s_is_cpu, *s_nbytes, *s_is_contiguous, *s_data_ptr;
 static PyObject *tensor_type, *param_type, *dt_f32, *dt_f64, *dt_i64, *dt_i32;
 static int have_avx2;
 
-typedef double v4d __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16), aligned(4)));
 typedef double v2d __attribute__((vector_size(16)));
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -60,11 +58,10 @@ static double sumsq_plain(const float *x, Py_ssize_t n);
  * own float32 norm of a 100k-value tensor is ~1e-6 off), the blocks' sums in float64. Faster than converting
  * every value to float64 first (a 4 MB gradient: ~140 against ~200 us warm, ~190 against ~300 us cold;
  * torch's _foreach_norm 150-170 / 210-310), which is what the norm worker and the steady step spend their
- * time on. A finite float32 square can overflow a
- * float32 lane, and squares under ~1e-38 lose their digits in one (torch's norm of a gradient of 1e-23s is
- * a third of the truth, of 1e-25s 0): so a total that is not finite, or under 1e-20 (where such squares could
- * matter), is taken again in float64 (sumsq_plain): NaN or inf then means a non-finite value, and a tiny
- * gradient's norm is exact, as before. */
+ * time on. A finite float32 square can overflow a float32 lane, and squares under ~1e-38 lose their digits in
+ * one (torch's norm of a gradient of 1e-23s is a third of the truth, of 1e-25s 0): so a total that is not
+ * finite, or under 1e-20 (where such squares could matter), is taken again in float64 (sumsq_plain): NaN or
+ * inf then means a non-finite value, and a tiny gradient's norm is exact, as before. */
 __attribute__((target("avx2,fma"))) static double sumsq_avx2(const float *x, Py_ssize_t n) {
     __m256d t0 = _mm256_setzero_pd(), t1 = _mm256_setzero_pd();
     Py_ssize_t i = 0;

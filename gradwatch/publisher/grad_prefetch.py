@@ -9,11 +9,12 @@ goes on with the layers below; the boundary measures the batches meanwhile, then
 detail step's max-abs too, from each gradient's ``aminmax``).
 
 Where the extension is built, an ordinary step's gradients go to its worker thread instead
-(``_native_norms.c``): a float64 sum of squares taken without the GIL, so the last gradients of backward no
-longer wait for the training thread to let go of it (bench/README.md 1.18). A detail step's go to the Python
+(``_native_norms.c``): a sum of squares taken without the GIL, so the last gradients of backward no longer
+wait for the training thread to let go of it (bench/README.md 1.18). A detail step's go to the Python
 worker, which also takes their ``aminmax``. Its norms are the very ``torch._foreach_norm`` the boundary would
 take (on CPU its per-tensor kernel: the same bits for a tensor alone as in a list); the native worker's are
-the float32 rounding of the square root of a float64 sum (within 1e-7 of them). Either way a norm is used only if the
+within 5e-7 of the exact norm (float32 lanes, float64 blocks: docs/design.md, "The native steady step"),
+where torch's float32 norm of a 100k-value tensor is itself ~1e-6 off. Either way a norm is used only if the
 parameter's ``.grad`` is still the tensor it measured, at the version it measured (``Tensor._version``,
 bumped by every in-place write: a second micro-batch accumulated into it, clipping before ``gw.step()``,
 unscaling). Any other gradient is measured at the boundary. Off under ``torch.distributed``: DDP's reducer
