@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 def _run(seed: int, steps: int, monkeypatch: pytest.MonkeyPatch, between: Callable[[torch.nn.Module, int], None],
          *, steady: bool = True, conv: bool = False, detail_every: int = 5,
-         scaler: bool = False) -> tuple[dict[int, Any], Any, int]:
+         scaler: bool = False, shortcut: bool = True) -> tuple[dict[int, Any], Any, int]:
     """Train with ``between(model, k)`` run after ``gw.step()``; every Step, the shortcut's state and how
     often the hook measured (``RawHandoff.sumsq`` calls)."""
     monkeypatch.setenv("GRADWATCH_STEADY", "1" if steady else "0")
@@ -32,6 +32,8 @@ def _run(seed: int, steps: int, monkeypatch: pytest.MonkeyPatch, between: Callab
         return real(self, params)
 
     monkeypatch.setattr(raw.RawHandoff, "sumsq", counting)
+    if shortcut:  # (these models are small: the shortcut is for big ones)
+        monkeypatch.setattr(clipped, "MIN_VALUES", 0)
     model = small_convnet(seed, 3) if conv else small_mlp(seed, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sc = torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None
@@ -136,6 +138,7 @@ def test_with_a_scaler_the_hook_measures_the_unscaled_gradients(runtime: Path, m
 
 def test_an_unregistered_scaler_is_caught_at_the_first_clip_step(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRADWATCH_STEADY", "1")
+    monkeypatch.setattr(clipped, "MIN_VALUES", 0)
     model = small_mlp(8, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sc = torch.amp.GradScaler("cpu", init_scale=8.0)
@@ -155,3 +158,21 @@ def test_an_unregistered_scaler_is_caught_at_the_first_clip_step(runtime: Path, 
     client.close()
     clips = _clips(got)
     assert clips and all(post == pytest.approx(pre / 8.0, rel=1e-4) for _, pre, post in clips)
+
+
+def test_a_small_model_measures_every_clip_step(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under clipped.MIN_VALUES (the tutorial MLP's size) checking identities costs what reading does: the
+    hook reads the gradients on every clip step, and reports the same totals."""
+    got, state, measured = _run(9, 60, monkeypatch, _nothing, shortcut=False)
+    clips = _clips(got)
+    assert not state.trusted and state.skipped == 0 and measured == state.armed >= len(clips) > 0
+    assert all(post == pytest.approx(pre, rel=1e-6) for _, pre, post in clips)
+    model = small_mlp(9, 3)
+    small = clipped.ClipShortcut(list(model.parameters()))
+    assert not small.trusted
+    small.arm(1.0, list(model.parameters()), None)
+    assert small.answer(list(model.parameters())) == (None, None)  # measure it
+    big = clipped.ClipShortcut([torch.nn.Parameter(torch.zeros(1 << 18))])
+    assert big.trusted
+    lazy = clipped.ClipShortcut([torch.nn.parameter.UninitializedParameter()])
+    assert not lazy.trusted  # its size is not known yet: measure

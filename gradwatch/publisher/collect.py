@@ -51,7 +51,8 @@ class Collector:
         self.first = FirstStep()  # the first step's hooks: backward order, modules run without autograd
         self.clip_due: int | None = None  # explicit mode: measure the norm before optimizer.step() of this step
         self._clip: tuple[int, Any] | None = None
-        self.clip_same = ClipShortcut()  # the boundary's total answers when no gradient was written since
+        #: the boundary's total answers when no gradient was written since (a model of 2^18 values or more)
+        self.clip_same = ClipShortcut(probe.params)
         self._rates = RateCache()  # the learning rates of non-detail steps, rebuilt only when one changed
         #: The raw hand-off (:mod:`.raw`), set by the wiring when a sidecar has slots for this model.
         self.raw: Any = None
