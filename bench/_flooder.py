@@ -12,6 +12,7 @@ import argparse
 import os
 import select
 import sys
+import time
 
 import zmq
 
@@ -54,7 +55,12 @@ def main() -> int:
                 break
         if args.reconnect and since >= args.reconnect:
             sock.close(linger=0)
-            sock, since = connect(), 0
+            sock, since = None, 0
+            while sock is None:
+                try:
+                    sock = connect()
+                except zmq.ZMQError:  # ZeroMQ closes sockets in its I/O thread: at this rate the process can
+                    time.sleep(0.01)  # run out of descriptors (EMFILE) before they go; wait for them
     ctx.destroy(linger=0)
     return 0
 
