@@ -139,7 +139,9 @@ def build(name: str, loop: Loop) -> None:
         if name == "gradwatch_stopped":  # its sidecar SIGSTOPped throughout: what its work on the spare core costs
             import signal
 
-            pid = gw.sender._proc.pid
+            pid = getattr(getattr(gw.sender, "_proc", None), "pid", None)
+            if pid is None:  # the sender runs in a thread of this process (GRADWATCH_SIDECAR=0, or no sidecar)
+                raise SystemExit("phases.py: gradwatch_stopped needs the sidecar process; this run has none")
             os.kill(pid, signal.SIGSTOP)
             loop.closers.insert(0, lambda: os.kill(pid, signal.SIGCONT))
         if name.startswith("gradwatch+sub"):

@@ -10,9 +10,9 @@ the tensor the boundary measured, at the version it had, the clipped total *is* 
 nothing is read again.
 
 Some writes do not bump the counter: through ``.grad.data``, ``GradScaler.unscale_`` (its fused kernel),
-``torch.distributed`` collectives. No shortcut with a scaler or a process group, then; and the first :data:`~.trouble.FIRST_DETAIL` clip
-steps and then one in :data:`AUDIT` are measured anyway; one that finds a different total with every
-version unchanged turns the shortcut off for the rest of the run.
+``torch.distributed`` collectives. No shortcut with a scaler or a process group, then; and the first
+:data:`~.trouble.FIRST_DETAIL` clip steps and then one in :data:`AUDIT` are measured anyway; one that finds a
+different total with every version unchanged turns the shortcut off for the rest of the run.
 """
 
 from __future__ import annotations
