@@ -45,14 +45,15 @@ def extract(ref: str, into: Path) -> Path:
         new = _IMPORT.sub("gradwatch_ref", text).replace('"-m", "gradwatch.publisher', '"-m", "gradwatch_ref.publisher')
         if new != text:
             path.write_text(new)
-    for src in pkg.rglob("*.c"):  # its compiled extension (publisher/_native.c), as its install would build it
-        out = src.with_name(src.stem + sysconfig.get_config_var("EXT_SUFFIX"))
+    srcs = sorted(str(p) for p in (pkg / "publisher").glob("_native*.c"))  # its compiled extension, as setup.py
+    if srcs:  # builds it: every _native*.c in one module (the norm worker and the shim are parts of _native)
+        out = pkg / "publisher" / ("_native" + sysconfig.get_config_var("EXT_SUFFIX"))
         cc = os.environ.get("CC", "cc")
-        built = subprocess.run([cc, "-O3", "-fno-strict-aliasing", "-shared", "-fPIC",
-                                f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(out)],
+        built = subprocess.run([cc, "-O3", "-fno-strict-aliasing", "-pthread", "-shared", "-fPIC",
+                                f"-I{sysconfig.get_paths()['include']}", *srcs, "-o", str(out), "-ldl"],
                                capture_output=True, text=True)
         if built.returncode != 0:
-            print(f"ab_ref.py: {src.name} at {ref} not compiled, the ref runs without it: {built.stderr[-300:]}",
+            print(f"ab_ref.py: _native at {ref} not compiled, the ref runs without it: {built.stderr[-300:]}",
                   file=sys.stderr)
     return pkg
 

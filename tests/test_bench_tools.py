@@ -76,7 +76,8 @@ def test_ab_ref_runs_the_committed_package_beside_the_working_tree(runtime: Path
     ab_ref.extract("HEAD", tmp_path)
     code = ("import sys; import gradwatch_ref, gradwatch_ref.publisher.watcher, gradwatch_ref.publisher.sidecar, "
             "gradwatch_ref.tui.app; bad = [m for m in sys.modules if m == 'gradwatch' or m.startswith('gradwatch.')]; "
-            "assert not bad, bad")
+            "assert not bad, bad; from gradwatch_ref.publisher import native; "
+            "assert native.why_not == '' and native.norms_open is not None, native.why_not")  # its C parts, linked
     r = subprocess.run([PY, "-c", code], cwd=tmp_path, env={**child_env(runtime), "PYTHONPATH": str(tmp_path)},
                        capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-2000:]
