@@ -9,7 +9,9 @@ import sys
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
-    "gradwatch.publisher._native", ["gradwatch/publisher/_native.c", "gradwatch/publisher/_native_norms.c"],
+    "gradwatch.publisher._native", ["gradwatch/publisher/_native.c", "gradwatch/publisher/_native_norms.c",
+                                     "gradwatch/publisher/_native_shim.c"],
     depends=["gradwatch/publisher/_native.h"], optional=True,
     extra_compile_args=[] if sys.platform == "win32" else ["-O3", "-fno-strict-aliasing", "-pthread"],
+    libraries=["dl"] if sys.platform.startswith("linux") else [],  # dlopen, for _native_shim.c (glibc < 2.34)
 )])

@@ -35,9 +35,10 @@ import torch  # noqa: E402
 from _models import make_workload  # noqa: E402
 
 
-def instrument(target: str) -> tuple[list[str], dict[str, Any]]:
+def instrument(target: str, into_with: bool = False) -> tuple[list[str], dict[str, Any]]:
     """Replace ``module:Class.method`` by a copy that appends a timestamp after each top-level statement
-    to ``box["times"]``; returns the statements' labels and the box."""
+    (``into_with``: and after each statement directly inside a top-level ``with``) to ``box["times"]``;
+    returns the statements' labels and the box."""
     modname, _, qual = target.partition(":")
     cls_name, _, meth = qual.partition(".")
     if not (modname and cls_name and meth):
@@ -59,8 +60,17 @@ def instrument(target: str) -> tuple[list[str], dict[str, Any]]:
     for stmt in fn.body:
         if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
             continue  # the docstring
+        label = f"L{stmt.lineno + first}: " + ast.unparse(stmt).splitlines()[0][:90]
+        if into_with and isinstance(stmt, ast.With):  # its entry, each statement of its body, its exit
+            inner: list[ast.stmt] = [ast.parse(stamp).body[0]]
+            labels.append(label + "  (enter)")
+            for sub in stmt.body:
+                inner += [sub, ast.parse(stamp).body[0]]
+                labels.append(f"  L{sub.lineno + first}: " + ast.unparse(sub).splitlines()[0][:88])
+            stmt.body = inner
+            label = f"L{stmt.lineno + first}: (exit)"
         body.append(stmt)
-        labels.append(f"L{stmt.lineno + first}: " + ast.unparse(stmt).splitlines()[0][:90])
+        labels.append(label)
         body.append(ast.parse(stamp).body[0])
     fn.body, fn.decorator_list = body, []
     ast.fix_missing_locations(tree)
@@ -78,9 +88,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--kind", choices=("ordinary", "detail", "settle", "clip"), default="ordinary",
                     help="which steps to time: ordinary (default), detail steps, the steps after one, clip steps")
+    ap.add_argument("--into-with", action="store_true",
+                    help="time each statement inside a top-level with block too (a lock's body, say)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    labels, box = instrument(args.target)
+    labels, box = instrument(args.target, args.into_with)
 
     import gradwatch
     from gradwatch.publisher.trouble import is_clip, is_detail

@@ -36,7 +36,7 @@
  *   pieces, wrapping at the end of the ring, then the writer's position stored with release order (the
  *   reader sees all of the record or none of it, on any CPU). False when it does not fit now.
  */
-#define GRADWATCH_NATIVE_ABI 6 /* bump with any change of a function's arguments or answers (native.ABI too) */
+#define GRADWATCH_NATIVE_ABI 7 /* bump with any change of a function's arguments or answers (native.ABI too) */
 #include "_native.h"
 #include <math.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -48,6 +48,7 @@
 static PyObject *s_dtype, *s_is_cpu, *s_nbytes, *s_is_contiguous, *s_data_ptr;
 static PyObject *tensor_type, *param_type, *dt_f32, *dt_f64, *dt_i64, *dt_i32;
 static int have_avx2;
+static PyObject **const dts[4] = {&dt_f32, &dt_f64, &dt_i64, &dt_i32}; /* the shim's dtype kinds (_native.h) */
 
 typedef double v2d __attribute__((vector_size(16)));
 
@@ -116,6 +117,17 @@ static const void *tensor_data(PyObject *t, PyObject **dt, int batch, Py_ssize_t
     PyObject *o;
     /* a parameter itself (batch == 2: exactly nn.Parameter, whose data is the tensor's own) or a tensor */
     if ((PyObject *)Py_TYPE(t) != tensor_type && !(batch == 2 && (PyObject *)Py_TYPE(t) == param_type)) return NULL;
+    if (gw_shim_bound()) {  /* the same questions through torch's C shim (_native_shim.c) */
+        int kind;
+        int64_t numel;
+        const void *data;
+        if (!gw_shim_tensor(t, &kind, &numel, &data) || kind < 0 || (kind > 0 && batch != 1) || !data) return NULL;
+        Py_ssize_t n = (Py_ssize_t)numel * (kind == 0 || kind == 3 ? 4 : 8);
+        if (want && n != want) return NULL;
+        *dt = *dts[kind];
+        *nb = n;
+        return data;
+    }
     if (!(o = PyObject_GetAttr(t, s_dtype))) goto error;
     Py_DECREF(o);  /* the dtype objects are torch's singletons: a borrowed identity is enough */
     if (!(o == dt_f32 || (batch == 1 && (o == dt_f64 || o == dt_i64 || o == dt_i32)))) return NULL;
@@ -143,6 +155,30 @@ error:
 
 GW_HIDDEN double gw_sumsq(const float *x, Py_ssize_t n) {
     return have_avx2 ? sumsq_avx2(x, n) : sumsq_plain(x, n);
+}
+
+GW_HIDDEN int gw_is_tensor_type(PyObject *t) {
+    return tensor_type && ((PyObject *)Py_TYPE(t) == tensor_type || (PyObject *)Py_TYPE(t) == param_type);
+}
+
+/* tensor_facts(t, batch) -> (data pointer, nbytes, dtype) | None: what the passes see of a tensor (the tests' and
+ * native.py's check of the shim against the attribute calls). */
+static PyObject *tensor_facts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long batch;
+    if (nargs != 2 || (batch = PyLong_AsLong(args[1])) < 0 || batch > 2) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "tensor_facts(t, batch: 0, 1 or 2)");
+        return NULL;
+    }
+    if (!tensor_type) {
+        PyErr_SetString(PyExc_RuntimeError, "tensor_facts: configure() first");
+        return NULL;
+    }
+    PyObject *dt;
+    Py_ssize_t nb;
+    const void *p = tensor_data(args[0], &dt, (int)batch, 0, &nb);
+    if (!p) Py_RETURN_NONE;
+    return Py_BuildValue("(NnO)", PyLong_FromVoidPtr((void *)p), nb, dt);
 }
 
 GW_HIDDEN const void *gw_tensor_data(PyObject *t, PyObject **dt, int batch, Py_ssize_t want, Py_ssize_t *nb) {
@@ -573,6 +609,10 @@ static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
      "configure(torch.Tensor, nn.Parameter, float32, float64, int64, int32): the types the passes read"},
     {"simd", simd, METH_NOARGS, "which kernel runs: 'avx2' or 'baseline'"},
+    {"tensor_facts", (PyCFunction)(void (*)(void))tensor_facts, METH_FASTCALL,
+     "tensor_facts(t, batch) -> (data pointer, nbytes, dtype) as the passes read t, or None when they refuse it"},
+    {"shim_bind", (PyCFunction)(void (*)(void))gw_shim_bind, METH_FASTCALL,
+     "shim_bind(torch library path or None, probes, their _cdata) -> '' when torch's C shim answers, else why not"},
 #ifdef GW_NORM_WORKER
     {"norms_open", gw_norms_open, METH_O, "norms_open(sizes) -> the gradient-norm worker (a capsule)"},
     {"norms_post", (PyCFunction)(void (*)(void))gw_norms_post, METH_FASTCALL,

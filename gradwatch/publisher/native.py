@@ -9,6 +9,7 @@ the viewer the same step (tests/test_native.py).
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any, Callable
 
@@ -34,8 +35,71 @@ norms_take: Callable[[Any, float], list[float | None] | None] | None = None
 norms_close: Callable[[Any], None] | None = None
 #: Why it is None, for the STATUS counters and the tests ("" when loaded).
 why_not = ""
+#: How the passes learn a tensor's dtype, device, size, contiguity and address: "shim" (torch's C functions,
+#: _native_shim.c) or "attributes" (five Python attribute calls per tensor), and why not the shim ("" when it is).
+tensor_access = "attributes"
+why_not_shim = "not loaded"
 #: Batch dtypes the call converts to float32 itself (others take the copying path).
 BATCH_DTYPES = frozenset({torch.float32, torch.float64, torch.int64, torch.int32})
+
+
+def _probes() -> list[torch.Tensor]:
+    """Tensors of every kind the passes meet or must refuse, for :func:`bind_shim`'s comparison."""
+    param = torch.nn.Parameter(torch.ones(2, 3))
+    with torch.enable_grad():
+        (param * 2).sum().backward()
+    with torch.no_grad():
+        base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        with torch.inference_mode():
+            inference = torch.ones(5)
+        return [base, base.t(), base[1:], base[:, 1], base.double(), base.long(), base.int(), base.bfloat16(),
+                base.half(), torch.tensor(1.5), torch.tensor(2.5, dtype=torch.float64), torch.empty(0),
+                torch.zeros(3, device="meta"), base.to_sparse(), param, param.grad, inference,
+                torch.ones(2, 3, 4).permute(2, 0, 1).contiguous(), torch.ones(1, 4).expand(3, 4)]
+
+
+def _expected(t: torch.Tensor, batch: int) -> tuple[int, int, Any] | None:
+    """What the attribute calls make of ``t`` (the pass's rules, written in Python)."""
+    allowed = (torch.float32, torch.float64, torch.int64, torch.int32) if batch == 1 else (torch.float32,)
+    if type(t) is not torch.Tensor and not (batch == 2 and type(t) is torch.nn.Parameter):
+        return None
+    try:
+        if t.dtype not in allowed or not t.is_cpu or not t.is_contiguous() or not t.data_ptr():
+            return None
+        return (t.data_ptr(), t.nbytes, t.dtype)
+    except Exception:  # noqa: BLE001 - a sparse tensor's is_contiguous() raises: refused
+        return None
+
+
+def bind_shim(mod: Any) -> None:
+    """Let the passes ask torch's C shim instead of the attribute calls, when it gives the same answers on every
+    probe (docs/design.md, "Tensor facts through torch's C shim"); ``GRADWATCH_SHIM=0`` keeps the attribute calls."""
+    global tensor_access, why_not_shim
+    tensor_access = "attributes"
+    if os.environ.get("GRADWATCH_SHIM", "1").strip() == "0":
+        why_not_shim = "GRADWATCH_SHIM=0"
+        return
+    try:
+        probes = _probes()
+        libs = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*")))
+        if not libs:
+            why_not_shim = "no libtorch_cpu beside torch"
+            return
+        why = mod.shim_bind(libs[0], tuple(probes), tuple(t._cdata for t in probes))
+        for t in probes if not why else ():
+            for batch in (0, 1, 2):
+                if mod.tensor_facts(t, batch) != _expected(t, batch):
+                    why = f"the shim answered otherwise for a {t.dtype} tensor on {t.device} ({t.layout})"
+                    break
+            if why:
+                break
+    except Exception as exc:  # noqa: BLE001 - never at import time: the attribute calls serve
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
+        mod.shim_bind(None, (0,), (0,))
+        why_not_shim = why
+    else:
+        tensor_access, why_not_shim = "shim", ""
 
 
 def _load() -> None:
@@ -52,6 +116,7 @@ def _load() -> None:
         why_not = f"not built for this version (ABI {getattr(_native, 'ABI', None)}, want {NATIVE_ABI})"
         return
     _native.configure(torch.Tensor, torch.nn.Parameter, torch.float32, torch.float64, torch.int64, torch.int32)
+    bind_shim(_native)
     grad_sumsq, param_grad_sumsq, weight_pass = _native.grad_sumsq, _native.param_grad_sumsq, _native.weight_pass
     batch_stats = _native.batch_stats
     if hasattr(_native, "norms_open"):

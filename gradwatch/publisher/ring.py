@@ -43,7 +43,7 @@ try:  # the same write in C, for a record in pieces (publisher/_native.c; option
 except ImportError:
     _native = None
 #: The extension's interface this code expects (``ABI`` in _native.c): a build from other sources is not used.
-NATIVE_ABI = 6
+NATIVE_ABI = 7
 _ring_put = getattr(_native, "ring_put", None) if getattr(_native, "ABI", None) == NATIVE_ABI else None
 if sys.byteorder != "little":
     _ring_put = None  # it writes the length little-endian by hand, as "<I" does: keep to the tested case
