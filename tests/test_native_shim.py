@@ -170,3 +170,25 @@ def test_gradwatch_shim_0_keeps_the_attribute_calls() -> None:
         assert r.returncode == 0, r.stderr[-2000:]
         out[env] = r.stdout.strip()
     assert out == {"0": "attributes GRADWATCH_SHIM=0", None: "shim -"}
+
+
+def test_the_batch_key_tells_every_difference_the_steady_step_caches_by() -> None:
+    """native.batch_key: the same bytes for batches of the same shapes, dtypes, devices and layouts (whatever the
+    values), other bytes for any difference -- a dimension more, a size, a dtype, a device, sparse, a batch
+    missing -- and None where steady.py must build its key in Python (not exactly a tensor; the shim unbound)."""
+    key = native.batch_key
+    assert key is not None
+    x, y = torch.randn(16, 5), torch.rand(16, 1)
+    assert key(x, y) == key(torch.zeros(16, 5), torch.ones(16, 1)) == key(x.clone(), y.clone())
+    kinds = [(x, y), (x, y.view(16)), (x, y.view(1, 16)), (x[:8], y[:8]), (x.double(), y), (x, y.long()),
+             (x, torch.rand(16, 1, device="meta")), (x.to_sparse(), y), (None, y), (x, None), (None, None), (y, x),
+             (x.t(), y)]  # (a transposed view has another shape; its layout is strided)
+    keys = [key(a, b) for a, b in kinds]
+    assert all(isinstance(k, bytes) for k in keys)
+    assert len(set(keys)) == len(keys)
+    assert key(x.as_subclass(Sub), y) is None and key(x, [1, 2]) is None and key(3, y) is None
+    assert key(torch.zeros([1] * 13), None) is None  # more dimensions than the key holds: Python's tuple
+    with attributes():
+        assert key(x, y) is None
+    with pytest.raises(TypeError):
+        key(x)  # type: ignore[call-arg]

@@ -22,18 +22,20 @@ torch.set_num_threads(1)
 _NATIVE = native.param_grad_sumsq  # None where the extension was not built: the steady step copies into slots
 _NATIVE_LIST = native.grad_sumsq  # (the clipped total's)
 _NATIVE_WEIGHTS = native.weight_pass  # (detail steps and their settles)
+_NATIVE_KEY = native.batch_key  # (the batches' layout key, through torch's C shim)
 
 
 def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch, *, loss_kind: str = "tensor",
            sched: bool = False, targets: bool = True, log_every: int = 0, clip: float | None = None,
            conv: bool = False, nan_at: int | None = None, detail_every: int = 5,
-           native_on: bool = True) -> tuple[dict[int, Any], Any]:
+           native_on: bool = True, vary: bool = False) -> tuple[dict[int, Any], Any]:
     """Train ``steps`` steps with the steady step on or off (and its compiled pass, native.py, on or off);
     every Step the viewer decodes, and the watcher's counters (steady steps served, native ones, raw steps)."""
     monkeypatch.setenv("GRADWATCH_STEADY", "1" if steady else "0")
     monkeypatch.setattr(native, "param_grad_sumsq", _NATIVE if native_on else None)
     monkeypatch.setattr(native, "grad_sumsq", _NATIVE_LIST if native_on else None)
     monkeypatch.setattr(native, "weight_pass", _NATIVE_WEIGHTS if native_on else None)
+    monkeypatch.setattr(native, "batch_key", _NATIVE_KEY if native_on else None)
     model = small_convnet(seed, 3) if conv else small_mlp(seed, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)) if sched else None
@@ -42,7 +44,8 @@ def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch,
     client = gradwatch.connect(gw.run_id)
     g = torch.Generator().manual_seed(seed)
     for k in range(steps):
-        x = torch.randn(4, 3, 8, 8, generator=g) if conv else torch.randn(8, 5, generator=g) * (1 + k % 3)
+        rows = 8 - k % 3 if vary else 8  # (vary: a batch of another size, its targets in other shapes and dtypes)
+        x = torch.randn(4, 3, 8, 8, generator=g) if conv else torch.randn(rows, 5, generator=g) * (1 + k % 3)
         y = torch.randint(0, 3, (x.shape[0],), generator=g)
         if k == nan_at:
             x[0].view(-1)[5] = math.nan  # one bad value in the batch: a trouble step, the general path's
@@ -53,7 +56,8 @@ def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch,
         given: Any = loss if loss_kind == "tensor" else float(loss.detach()) if loss_kind == "float" else None
         if loss_kind == "logged":
             gw.log(loss=loss)
-        gw.step(given, inputs=x, targets=y if targets else None)
+        shown = (y, y.view(-1, 1), y.int(), y.double(), y.float().view(1, -1))[(k // 2) % 5] if vary else y
+        gw.step(given, inputs=x, targets=shown if targets else None)
         if clip is not None:  # after the boundary, as in the README: the optimizer hook measures the result
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -109,6 +113,24 @@ def test_steady_steps_publish_the_same_steps_as_the_general_path(runtime: Path, 
         detail = {k for k in range(steps) if k < 3 or k % 5 == 0}
         copied = {k + 1 for k in detail if k in general} - general
         assert c_on["native"] == (c_on["steady"] - len(copied) if native_on and _NATIVE else 0), c_on
+
+
+@pytest.mark.parametrize(("seed", "native_on"), [(5, True), (6, True), (5, False)])
+def test_batches_that_change_size_shape_and_dtype_between_steps(runtime: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                seed: int, native_on: bool) -> None:
+    """Batches of 8, 7 and 6 rows, targets as int64, int32, float64 and float32, flat or in columns or rows
+    (the same values in other shapes): each step's batch statistics and integer flags are the general path's,
+    whichever way the steady step keys its batch layouts (native.batch_key through torch's C shim, or
+    Python's tuple), and the steady step still serves the steps."""
+    steps = 30
+    (got, c_on), (ref, _) = (_train(seed, s, steps, monkeypatch, native_on=native_on, vary=True) for s in (True, False))
+    assert sorted(got) == sorted(ref) == list(range(steps))
+    for k in range(steps):
+        assert_same_measurements(got[k], ref[k], 1e-6)
+        assert got[k].data == ref[k].data, k
+    kinds = {(got[k].data["targets"].numel, got[k].data["targets"].integer) for k in range(steps)}
+    assert kinds == {(n, i) for n in (6, 7, 8) for i in (True, False)}  # sizes and dtypes did change
+    assert c_on["steady"] >= steps - 10 and (c_on["native"] > 0) is (native_on and _NATIVE is not None), c_on
 
 
 @pytest.mark.parametrize(("seed", "detail_every"), [(6, 1), (7, 2), (8, 3), (9, 7)])

@@ -611,6 +611,8 @@ static PyMethodDef methods[] = {
     {"simd", simd, METH_NOARGS, "which kernel runs: 'avx2' or 'baseline'"},
     {"tensor_facts", (PyCFunction)(void (*)(void))tensor_facts, METH_FASTCALL,
      "tensor_facts(t, batch) -> (data pointer, nbytes, dtype) as the passes read t, or None when they refuse it"},
+    {"batch_key", (PyCFunction)(void (*)(void))gw_batch_key, METH_FASTCALL,
+     "batch_key(inputs, targets) -> bytes of their shapes, dtypes, devices, layouts (torch's C shim), or None"},
     {"shim_bind", (PyCFunction)(void (*)(void))gw_shim_bind, METH_FASTCALL,
      "shim_bind(torch library path or None, probes, their _cdata) -> '' when torch's C shim answers, else why not"},
 #ifdef GW_NORM_WORKER

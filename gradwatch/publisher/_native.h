@@ -30,6 +30,7 @@ GW_HIDDEN int gw_is_tensor_type(PyObject *t);
 GW_HIDDEN int gw_shim_bound(void);
 GW_HIDDEN int gw_shim_tensor(PyObject *t, int *kind, int64_t *numel, const void **data);
 GW_HIDDEN PyObject *gw_shim_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+GW_HIDDEN PyObject *gw_batch_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #ifndef _WIN32
 #define GW_NORM_WORKER 1

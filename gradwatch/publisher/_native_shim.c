@@ -29,11 +29,13 @@ typedef int32_t (*i32_fn)(void *, int32_t *);
 typedef int32_t (*i64_fn)(void *, int64_t *);
 typedef int32_t (*bool_fn)(void *, bool *);
 typedef int32_t (*ptr_fn)(void *, void **);
+typedef int32_t (*sizes_fn)(void *, int64_t **);
 typedef int32_t (*code_fn)(void);
 
 static struct {
     i32_fn device, layout, dtype;
-    i64_fn numel;
+    i64_fn numel, dim;
+    sizes_fn sizes;
     bool_fn contiguous;
     ptr_fn data;
     int32_t cpu, strided, codes[4]; /* codes: float32, float64, int64, int32 (GW_F32 ...) */
@@ -59,6 +61,41 @@ GW_HIDDEN int gw_shim_tensor(PyObject *t, int *kind, int64_t *numel, const void 
     *numel = n;
     *data = p;
     return 1;
+}
+
+/* batch_key(inputs, targets) -> bytes | None: what the steady step caches a batch's layout by (its shape, dtype,
+ * device and layout; the same key for the same tensors' kind, another for any difference), in one call instead of
+ * six attribute calls and two tuples; None when the shim is not bound or one is neither None nor exactly a tensor
+ * (then steady.py builds its key in Python). */
+#define KEY_DIMS 12
+GW_HIDDEN PyObject *gw_batch_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "batch_key(inputs, targets)");
+        return NULL;
+    }
+    int64_t key[2 * (KEY_DIMS + 4)];
+    Py_ssize_t n = 0;
+    for (int b = 0; b < 2; b++) {
+        PyObject *t = args[b];
+        if (t == Py_None) {
+            key[n++] = -1;
+            continue;
+        }
+        if (!shim_off || !gw_is_tensor_type(t)) Py_RETURN_NONE;
+        void *h = (char *)t + shim_off;
+        int64_t dim, *sizes;
+        int32_t dev, lay, dt;
+        if (shim.dim(h, &dim) || dim < 0 || dim > KEY_DIMS || shim.sizes(h, &sizes) || shim.dtype(h, &dt)
+            || shim.device(h, &dev) || shim.layout(h, &lay))
+            Py_RETURN_NONE;
+        key[n++] = dim;
+        for (int64_t d = 0; d < dim; d++) key[n++] = sizes[d];
+        key[n++] = dt;
+        key[n++] = dev;
+        key[n++] = lay;
+    }
+    return PyBytes_FromStringAndSize((const char *)key, n * (Py_ssize_t)sizeof key[0]);
 }
 
 static void *find(void *lib, const char *name, int *missing) {
@@ -87,6 +124,8 @@ GW_HIDDEN PyObject *gw_shim_bind(PyObject *self, PyObject *const *args, Py_ssize
     shim.layout = (i32_fn)find(lib, "aoti_torch_get_layout", &missing);
     shim.dtype = (i32_fn)find(lib, "aoti_torch_get_dtype", &missing);
     shim.numel = (i64_fn)find(lib, "aoti_torch_get_numel", &missing);
+    shim.dim = (i64_fn)find(lib, "aoti_torch_get_dim", &missing);
+    shim.sizes = (sizes_fn)find(lib, "aoti_torch_get_sizes", &missing);
     shim.contiguous = (bool_fn)find(lib, "aoti_torch_is_contiguous", &missing);
     shim.data = (ptr_fn)find(lib, "aoti_torch_get_data_ptr", &missing);
     static const char *codes[] = {"aoti_torch_dtype_float32", "aoti_torch_dtype_float64", "aoti_torch_dtype_int64",
@@ -118,6 +157,11 @@ GW_HIDDEN PyObject *gw_shim_bind(PyObject *self, PyObject *const *args, Py_ssize
 }
 
 #else /* no dlopen (Windows): the attribute calls serve */
+GW_HIDDEN PyObject *gw_batch_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self, (void)args, (void)nargs;
+    Py_RETURN_NONE;
+}
+
 GW_HIDDEN int gw_shim_bound(void) {
     return 0;
 }

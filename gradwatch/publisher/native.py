@@ -33,6 +33,9 @@ norms_open: Callable[[tuple[int, ...]], Any] | None = None
 norms_post: Callable[[Any, Any, int], bool] | None = None
 norms_take: Callable[[Any, float], list[float | None] | None] | None = None
 norms_close: Callable[[Any], None] | None = None
+#: ``batch_key(inputs, targets) -> bytes | None``: the steady step's cache key for its batches through torch's C
+#: shim (shape, dtype, device, layout of each), None while the shim is not bound or one is not exactly a tensor.
+batch_key: Callable[[Any, Any], bytes | None] | None = None
 #: Why it is None, for the STATUS counters and the tests ("" when loaded).
 why_not = ""
 #: How the passes learn a tensor's dtype, device, size, contiguity and address: "shim" (torch's C functions,
@@ -103,7 +106,8 @@ def bind_shim(mod: Any) -> None:
 
 
 def _load() -> None:
-    global grad_sumsq, param_grad_sumsq, weight_pass, batch_stats, why_not, norms_open, norms_post, norms_take, norms_close
+    global grad_sumsq, param_grad_sumsq, weight_pass, batch_stats, batch_key, why_not
+    global norms_open, norms_post, norms_take, norms_close
     if os.environ.get("GRADWATCH_NATIVE", "1").strip() == "0":
         why_not = "GRADWATCH_NATIVE=0"
         return
@@ -118,7 +122,7 @@ def _load() -> None:
     _native.configure(torch.Tensor, torch.nn.Parameter, torch.float32, torch.float64, torch.int64, torch.int32)
     bind_shim(_native)
     grad_sumsq, param_grad_sumsq, weight_pass = _native.grad_sumsq, _native.param_grad_sumsq, _native.weight_pass
-    batch_stats = _native.batch_stats
+    batch_stats, batch_key = _native.batch_stats, _native.batch_key
     if hasattr(_native, "norms_open"):
         norms_open, norms_post = _native.norms_open, _native.norms_post
         norms_take, norms_close = _native.norms_take, _native.norms_close

@@ -75,10 +75,13 @@ class SteadyStep:
         self._lr_bytes = b""
         self._hb: tuple[Any, bytes | None] = (_UNSET, None)  # the last detail step's hyper-parameters, packed
         self._groups = 0
-        #: (inputs key, targets key) -> [flags, inputs' count, targets' count, values, per-slot destinations, data,
+        #: the batches' key -> [flags, inputs' count, targets' count, values, per-slot destinations, data,
         #: which travel raw, which get statistics here, the native passes' record buffers (ordinary, settle,
         #: detail step) or None]
-        self._batches: dict[tuple[Any, Any], list[Any]] = {}
+        self._batches: dict[Any, list[Any]] = {}
+        #: their key in one C call (:data:`.native.batch_key`: bytes, or None where torch's C shim does not serve;
+        #: then a tuple of each batch's shape, dtype and device)
+        self._key = native.batch_key
 
     # ------------------------------------------------------------------ what only a boundary changes
 
@@ -309,13 +312,20 @@ class SteadyStep:
         their statistics here]; None when one is not a CPU tensor (a dict, on a device: the general path).
         A batch of up to 128 values travels raw in the slot; a bigger one gets :func:`data_stats` on the
         training thread, as in raw_boundary."""
-        kin = None if inputs is None else (inputs.shape, inputs.dtype, inputs.is_cpu) \
-            if isinstance(inputs, _Tensor) else False
-        kt = None if targets is None else (targets.shape, targets.dtype, targets.is_cpu) \
-            if isinstance(targets, _Tensor) else False
-        entry = self._batches.get((kin, kt))
-        if entry is not None or kin is False or kt is False:
-            return entry
+        key = self._key(inputs, targets) if self._key is not None else None  # (torch's C shim: one call)
+        if key is not None:
+            entry = self._batches.get(key)
+            if entry is not None:
+                return entry
+        else:
+            kin = None if inputs is None else (inputs.shape, inputs.dtype, inputs.is_cpu) \
+                if isinstance(inputs, _Tensor) else False
+            kt = None if targets is None else (targets.shape, targets.dtype, targets.is_cpu) \
+                if isinstance(targets, _Tensor) else False
+            key = (kin, kt)
+            entry = self._batches.get(key)
+            if entry is not None or kin is False or kt is False:
+                return entry
         raw = self.raw
         flags, counts, pick, stats, data = 0, [0, 0], 0, [], []
         for k, (name, t, f, f_int) in enumerate((("inputs", inputs, _IN, _IN_INT), ("targets", targets, _TGT, _TGT_INT))):
@@ -335,7 +345,7 @@ class SteadyStep:
         if self.native is not None and not stats and all(
                 t is None or not pick & (k + 1) or t.dtype in native.BATCH_DTYPES for k, t in enumerate((inputs, targets))):
             outs = tuple(bytearray(8 * j * len(self.sizes) + 4 * (counts[0] + counts[1])) for j in (1, 2, 3))
-        entry = self._batches[(kin, kt)] = [flags, counts[0], counts[1], counts[0] + counts[1],
+        entry = self._batches[key] = [flags, counts[0], counts[1], counts[0] + counts[1],
                                             [None] * (2 * self.table.spec.k), data, pick, tuple(stats), outs]
         return entry
 
