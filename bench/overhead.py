@@ -166,7 +166,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import gradwatch
 
     rounds, k, warm = (PLAN_QUICK if args.quick else PLAN_FULL)[name]
-    rounds = args.rounds or rounds
+    rounds = args.rounds or max(1, round(rounds * args.scale))
     k = args.steps or k
     wl = make_workload(name, quick=args.quick, seed=args.seed)
     base_state = copy.deepcopy(wl.model.state_dict())
@@ -325,6 +325,8 @@ def main() -> int:
                     help="comma list; 'bare' is always included")
     ap.add_argument("--quick", action="store_true", help="fewer rounds, 2-layer seq-64 transformer")
     ap.add_argument("--rounds", type=int, default=0, help="override rounds for every model")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="every model's planned rounds times this (a noisy box: --scale 3 for ~3x the rounds)")
     ap.add_argument("--steps", type=int, default=0, help="override steps per block for every model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--detail-every", type=int, default=None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -71,6 +72,12 @@ def test_this_torch_is_served_by_the_shim() -> None:
     """On the torch this project pins, the shim binds (the figures in bench/README.md 1.19 are for it)."""
     assert native.tensor_access == "shim", native.why_not_shim
     assert native.why_not_shim == ""
+    if sys.platform.startswith("linux"):  # by name too, as for a torch whose libraries are not beside it (conda)
+        probes = native._probes()
+        try:
+            assert _native.shim_bind("libtorch_cpu.so", tuple(probes), tuple(t._cdata for t in probes)) == ""
+        finally:
+            native.bind_shim(_native)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7, 42])

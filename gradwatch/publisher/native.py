@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -84,11 +85,10 @@ def bind_shim(mod: Any) -> None:
         return
     try:
         probes = _probes()
+        # the file beside torch (pip), else by its name: a torch whose libraries live elsewhere (conda's lib/)
         libs = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*")))
-        if not libs:
-            why_not_shim = "no libtorch_cpu beside torch"
-            return
-        why = mod.shim_bind(libs[0], tuple(probes), tuple(t._cdata for t in probes))
+        lib = libs[0] if libs else "libtorch_cpu.dylib" if sys.platform == "darwin" else "libtorch_cpu.so"
+        why = mod.shim_bind(lib, tuple(probes), tuple(t._cdata for t in probes))
         for t in probes if not why else ():
             for batch in (0, 1, 2):
                 if mod.tensor_facts(t, batch) != _expected(t, batch):
