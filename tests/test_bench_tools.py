@@ -117,3 +117,20 @@ def test_prefetch_wait_script_reports_the_boundary_and_the_worker(runtime: Path)
                        env=child_env(runtime), capture_output=True, text=True, timeout=100)
     assert r.returncode == 1 and r.stdout.startswith("prefetch_wait.py: no worker for tiny_mlp"), r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_tail_script_lists_the_slowest_steps_phase_by_phase(runtime: Path) -> None:
+    """bench/tail.py (bench/README.md 1.19): per variant the p99 over the median and the slowest steps, each with
+    five phase excesses and its place in the detail cadence; bad arguments get one line."""
+    r = subprocess.run([PY, str(ROOT / "bench" / "tail.py"), "--steps", "60", "--show", "3"], cwd=ROOT,
+                       env=child_env(runtime), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    heads = re.findall(r"^(bare|gradwatch): (\d+) steps, median \d+ us, p99 \d+ us, p99/median (\d+\.\d+)", r.stdout, re.M)
+    assert [h[0] for h in heads] == ["bare", "gradwatch"] and all(int(h[1]) == 54 for h in heads), r.stdout
+    assert all(float(h[2]) >= 1.0 for h in heads)
+    slow = re.findall(r"^\s+\d+\s+\[((?:\s*[+-]\d+){5})\]\s+published % 10 = (\d)", r.stdout, re.M)
+    assert len(slow) == 6, r.stdout
+    assert {s[1] for s in slow[:3]} == {"0"}  # bare publishes nothing
+    r = subprocess.run([PY, str(ROOT / "bench" / "tail.py"), "--variants", "bogus"], cwd=ROOT,
+                       env=child_env(runtime), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 2 and r.stderr.startswith("tail.py: variants are") and "Traceback" not in r.stderr
