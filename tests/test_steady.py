@@ -16,7 +16,7 @@ import torch
 
 import gradwatch
 from gradwatch.publisher import native
-from _fw import assert_same_measurements, small_convnet, small_mlp, steps_of
+from _fw import NORM_REL, assert_same_measurements, small_convnet, small_mlp, steps_of
 
 torch.set_num_threads(1)
 _NATIVE = native.param_grad_sumsq  # None where the extension was not built: the steady step copies into slots
@@ -25,10 +25,17 @@ _NATIVE_WEIGHTS = native.weight_pass  # (detail steps and their settles)
 _NATIVE_KEY = native.batch_key  # (the batches' layout key, through torch's C shim)
 
 
+def mid_mlp(seed: int) -> torch.nn.Module:
+    """5 -> 320 -> 320 -> 320 -> 3 (~208k values): past the lean path's copy (flat.flat_limit), short of the overlap."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 320), torch.nn.Tanh(), torch.nn.Linear(320, 320), torch.nn.Tanh(),
+                               torch.nn.Linear(320, 320), torch.nn.Tanh(), torch.nn.Linear(320, 3))
+
+
 def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch, *, loss_kind: str = "tensor",
            sched: bool = False, targets: bool = True, log_every: int = 0, clip: float | None = None,
            conv: bool = False, nan_at: int | None = None, detail_every: int = 5,
-           native_on: bool = True, vary: bool = False) -> tuple[dict[int, Any], Any]:
+           native_on: bool = True, vary: bool = False, mid: bool = False) -> tuple[dict[int, Any], Any]:
     """Train ``steps`` steps with the steady step on or off (and its compiled pass, native.py, on or off);
     every Step the viewer decodes, and the watcher's counters (steady steps served, native ones, raw steps)."""
     monkeypatch.setenv("GRADWATCH_STEADY", "1" if steady else "0")
@@ -36,11 +43,11 @@ def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(native, "grad_sumsq", _NATIVE_LIST if native_on else None)
     monkeypatch.setattr(native, "weight_pass", _NATIVE_WEIGHTS if native_on else None)
     monkeypatch.setattr(native, "batch_key", _NATIVE_KEY if native_on else None)
-    model = small_convnet(seed, 3) if conv else small_mlp(seed, 3)
+    model = small_convnet(seed, 3) if conv else mid_mlp(seed) if mid else small_mlp(seed, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k)) if sched else None
     gw = gradwatch.watch(model, opt, announce=False, diagnose=False, detail_every=detail_every)
-    assert (gw._steady is not None) is steady  # noqa: SLF001
+    assert (gw._steady is not None) is (steady and not (mid and not native_on))  # noqa: SLF001
     client = gradwatch.connect(gw.run_id)
     g = torch.Generator().manual_seed(seed)
     for k in range(steps):
@@ -65,6 +72,7 @@ def _train(seed: int, steady: bool, steps: int, monkeypatch: pytest.MonkeyPatch,
         if sch is not None:
             sch.step()
     out = steps_of(client, steps)
+    assert gw._probe._lean.ok is not mid and gw._probe.raw_mid is (mid and native_on and _NATIVE is not None)  # noqa: SLF001
     counters = {"steady": gw._steady.served if gw._steady is not None else 0,  # noqa: SLF001
                 "native": gw._steady.native_steps if gw._steady is not None else 0,  # noqa: SLF001
                 "raw": gw._collector.raw_steps}  # noqa: SLF001
@@ -133,6 +141,30 @@ def test_batches_that_change_size_shape_and_dtype_between_steps(runtime: Path, m
     assert c_on["steady"] >= steps - 10 and (c_on["native"] > 0) is (native_on and _NATIVE is not None), c_on
 
 
+@pytest.mark.parametrize(("seed", "native_on", "detail_every", "vary", "log_every"),
+                         [(20, True, 5, False, 0), (21, True, 3, True, 7), (22, True, 1, False, 0),
+                          (20, False, 5, False, 0)])
+def test_a_mid_sized_model_is_served_by_the_compiled_pass_only(runtime: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               seed: int, native_on: bool, detail_every: int,
+                                                               vary: bool, log_every: int) -> None:
+    """~208k values, past the lean path's copy: with the compiled pass built, its steady steps -- ordinary, detail
+    and settle, batches of any size -- are read where they lie (the raw hand-off, no slot copy) and publish the
+    general path's Steps; the steps it would copy (detail_every=1, the settle of a general detail step) and
+    those with user scalars take the general path; without it, every step is the general path's, as before."""
+    steps = 24
+    (got, c_on), (ref, c_off) = (_train(seed, s, steps, monkeypatch, native_on=native_on, mid=True, vary=vary,
+                                        detail_every=detail_every, log_every=log_every) for s in (True, False))
+    assert sorted(got) == sorted(ref) == list(range(steps))
+    for k in range(steps):  # (the general path's norms of a model this size are torch's float32 ones: NORM_REL)
+        assert_same_measurements(got[k], ref[k], NORM_REL)
+        assert got[k].data == ref[k].data and got[k].user == ref[k].user, k
+    assert c_off["steady"] == 0
+    if not (native_on and _NATIVE) or detail_every == 1:  # (every step a detail step and a settle: a slot's)
+        assert c_on["steady"] == c_on["native"] == c_on["raw"] == 0
+        return
+    assert c_on["native"] == c_on["steady"] == c_on["raw"] >= steps // 2, c_on  # never a slot
+
+
 @pytest.mark.parametrize(("seed", "detail_every"), [(6, 1), (7, 2), (8, 3), (9, 7)])
 def test_the_steady_step_keeps_the_detail_and_clip_cadence_of_any_detail_every(
         runtime: Path, monkeypatch: pytest.MonkeyPatch, seed: int, detail_every: int) -> None:
@@ -154,14 +186,22 @@ def test_the_steady_step_keeps_the_detail_and_clip_cadence_of_any_detail_every(
         assert got[k].data == ref[k].data
 
 
+@pytest.mark.parametrize(("seed", "native_on"), [(5, True), (12, True), (5, False)])
 def test_a_batch_too_big_for_the_slot_gets_the_same_statistics_on_the_steady_step(
-        runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (got, c_on), (ref, _) = (_train(5, s, 12, monkeypatch, conv=True) for s in (True, False))
-    # 192 input values: the trainer computes their statistics; the 4 targets travel in the slot
-    assert c_on["steady"] == 12 - 3 and c_on["raw"] == 12
-    for k in range(12):
+        runtime: Path, monkeypatch: pytest.MonkeyPatch, seed: int, native_on: bool) -> None:
+    steps = 30
+    (got, c_on), (ref, _) = (_train(seed, s, steps, monkeypatch, conv=True, native_on=native_on) for s in (True, False))
+    # 192 input values: the trainer computes their statistics; the 4 targets travel raw (in the record with the
+    # gradients' sums on an ordinary step where the compiled pass is built, else in the slot)
+    assert c_on["steady"] == steps - 3 and c_on["raw"] == steps
+    # the compiled passes take them all, detail steps and settles too, but the settle of the general path's last
+    # detail step (2): its snapshot is in a slot
+    assert c_on["native"] == (steps - 3 - 1 if native_on and _NATIVE else 0), c_on
+    for k in range(steps):
         assert_same_measurements(got[k], ref[k], 1e-6)
         assert got[k].data == ref[k].data
+    if seed != 5 or not native_on:
+        return
     (got, c_on), (ref, _) = (_train(5, s, 12, monkeypatch, conv=True, nan_at=8) for s in (True, False))
     assert got[8].data["inputs"].nonfinite == ref[8].data["inputs"].nonfinite == 1
     assert c_on["steady"] < 12 - 3  # step 8 and the NaN steps after it went the general way

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradwatch.publisher import native
 from gradwatch.publisher.act_probe import ActivationProbe, module_tree  # noqa: F401 - re-exported
 from gradwatch.publisher.data_stats import DATA_FIELDS, INF, data_stats  # noqa: F401 - re-exported
 from gradwatch.publisher.flat import LeanPath, exact_nonfinite, total_norm, update_ratio
@@ -40,6 +41,7 @@ from gradwatch.publisher.hyper import HYPER_KEYS, RateCache, hyper_of, scalar_pa
 from gradwatch.publisher.grad_prefetch import GradPrefetch
 from gradwatch.publisher.overlap import Overlap, overlap_wanted
 from gradwatch.publisher.parts import Parts, _EventPool
+from gradwatch.publisher.raw_record import RAW_MAX
 from gradwatch.publisher.segments import F32_MAX
 
 
@@ -98,6 +100,12 @@ class GradProbe:
         #: ... and its gradient norms, measured during backward (:mod:`.grad_prefetch`)
         self.prefetch = GradPrefetch(self.overlap, params, self.l2_norms) \
             if self.overlap is not None and self._uniform else None
+        #: A CPU model past the lean path's size and short of the overlap's (float32, up to RAW_MAX values): the
+        #: steady step serves its steps that the compiled pass reads where they lie, and only those (steady.py)
+        self.raw_mid = bool(not self._lean.ok and not self.cuda and self.overlap is None and self._f32
+                            and self.device.type == "cpu"
+                            and native.param_grad_sumsq is not None and all(p.numel() for p in params)
+                            and sum(p.numel() for p in params) <= RAW_MAX)
 
     def _zero(self, device: torch.device) -> torch.Tensor:
         z = self._zeros.get(device)

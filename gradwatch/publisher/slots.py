@@ -157,7 +157,10 @@ class SlotReader:
 
     def inline(self, values: dict[str, bytes], meta: dict[str, Any] | None = None, data: list[Any] | None = None,
                step: int = 0, wflags: int = 0) -> None:
-        """A step that travelled whole in its record (no slot: the native passes, :mod:`.native`). A detail
+        """A step that travelled whole in its record (no slot: the native passes, :mod:`.native`). An ordinary
+        step's msgpack record (``values["sums"]``: the gradients' sums of squares, then the raw batches; its big
+        batches' statistics already in ``values``) becomes its norms and batch statistics; a settle's
+        (``values["sums2"]``) also the norms of its update. A detail
         step's record (``values["native"]``: gradient sums, max-abs and weight sums, then the batches)
         becomes its norms, max-abs, weight norms and batch statistics, and with ``W_SNAP`` its weight norms
         are kept as the snapshot's (its weights stay with the trainer); a settle (``W_SETTLE``, with the
@@ -171,6 +174,11 @@ class SlotReader:
             if "ur" in values:
                 self.pending_ur = (values["ur"], int(meta["ur_step"]))
             return
+        sums, sums2 = values.pop("sums", None), values.pop("sums2", None)
+        if sums is not None:  # an ordinary step whose big batches' statistics came with it: one sum per tensor
+            native_values(sums, 0, n, 1, data or [], meta, values)
+        elif sums2 is not None:  # the same for a settle: the gradients' sums, then the update's
+            values["dwn"] = norms_of_sums(native_values(sums2, 0, n, 2, data or [], meta, values)[1])
         blob = values.pop("native", None)
         if blob is not None:  # a detail step
             _, gmax, wsq = native_values(blob, 0, n, 3, data or [], meta, values)

@@ -49,6 +49,8 @@ _isfinite = math.isfinite
 _sqrt = math.sqrt
 _now = time.time
 _UNSET = object()
+#: per native mode (1 ordinary, 2 settle, 3 detail) the key of its pass's buffer in a msgpack record (SlotReader.inline)
+_BLOB = {1: "sums", 2: "sums2", 3: "native"}
 
 
 class SteadyStep:
@@ -69,6 +71,9 @@ class SteadyStep:
         self.native = native.param_grad_sumsq
         self.weight_pass = native.weight_pass  # a detail step's and its settle's pass, None to copy them
         self.native_steps = 0  # steps whose norms travelled in the record (the viewer's ``native_steps``)
+        #: a model past the lean path's size (``GradProbe.raw_mid``): only the compiled pass serves it, never a slot
+        #: copy (its steps that the pass refuses take the general path, as before it had the raw hand-off)
+        self.mid = col.probe.raw_mid
         self.armed = False  # also cleared in a forked child, at the fork (watcher._mark_forked)
         self.served = 0  # steps this path took (the viewer's ``steady_steps`` counter)
         self._lr_key: list[Any] = [_UNSET]  # the learning rates packed in _lr_bytes (one per group)
@@ -93,7 +98,7 @@ class SteadyStep:
             not w._forked and col.raw is self.raw and col.raw_submit is not None and col.scaler is None and col.every == 1
             and col.published >= FIRST_DETAIL and not col.first.pending and not col._missed and not col._missed_dev
             and not acts.every and not acts.armed and not acts.probe.attached and not probe.branchless
-            and probe._lean.ok and not probe._snap_active and probe._pending_ur is None
+            and (probe._lean.ok or self.mid) and not probe._snap_active and probe._pending_ur is None
             and col.trigger is None and b.explicit
             and not b.in_pause and not w._closed and w.disabled_reason is None and w.sender is not None)
 
@@ -182,6 +187,8 @@ class SteadyStep:
             i, seq = -1, 0
             finite = True
         else:
+            if self.mid:
+                return False  # a mid-sized model is not copied into a slot: the general path takes this step
             mode = 0  # refused (-1) or not tried: the slot
             grads = list(map(_GRAD, self.params))
             g0 = grads[0]
@@ -232,11 +239,12 @@ class SteadyStep:
             col.published = pub + 1
             col._nf_episode = False
             col._raw_snap = False
-            if (mode == 3 and hb is None) or (not mode and (detail or values or (clip is not None
-                                                                             and type(clip[1]) is not tuple))):
-                # a detail step (native: the pass's sums in the record), big batches, a tensor clip: msgpack
-                payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper,
-                                               {"native": bytes(outs[2])} if mode else values)
+            if (mode == 3 and hb is None) or (mode and values) or (
+                    not mode and (detail or values or (clip is not None and type(clip[1]) is not tuple))):
+                # a detail step (native: the pass's sums in the record), big batches (native: their statistics
+                # beside the pass's buffer, SlotReader.inline), a tensor clip: msgpack
+                extra = values if not mode else {**(values or {}), _BLOB[mode]: bytes(outs[mode - 1])}
+                payload, wflags = self._packed(step, i, seq, loss_f, data, detail, settle, hyper, extra)
             else:  # a steady step, a native detail step and the settle after one, a clipped total: fixed layout
                 wflags = W_SETTLE if settle else 0
                 if settle:
@@ -342,7 +350,7 @@ class SteadyStep:
         if len(self._batches) >= 8:
             self._batches.clear()  # varying batch shapes: rebuild rather than grow
         outs = None  # the native passes' record buffers: 1, 2 or 3 float64 per tensor, then the raw batches
-        if self.native is not None and not stats and all(
+        if self.native is not None and all(
                 t is None or not pick & (k + 1) or t.dtype in native.BATCH_DTYPES for k, t in enumerate((inputs, targets))):
             outs = tuple(bytearray(8 * j * len(self.sizes) + 4 * (counts[0] + counts[1])) for j in (1, 2, 3))
         entry = self._batches[key] = [flags, counts[0], counts[1], counts[0] + counts[1],

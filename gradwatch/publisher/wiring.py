@@ -158,12 +158,12 @@ def _start_sidecar(w: Watcher, key: bytes, endpoint: str, frame: int, control: b
 
 
 def _slot_spec(w: Watcher) -> Any:
-    """The raw hand-off's slots (:mod:`.slots`) for a small CPU model, or None (every step then takes the
-    ordinary path). ``GRADWATCH_RAW=0`` turns it off (benchmarks compare both)."""
+    """The raw hand-off's slots (:mod:`.slots`) for a small CPU model (or a mid-sized one whose steady steps
+    the compiled pass reads in place, ``GradProbe.raw_mid``), or None (every step then takes the ordinary path). ``GRADWATCH_RAW=0`` turns it off (benchmarks compare both)."""
     from gradwatch.publisher.slots import SlotSpec
 
     probe = w._probe
-    if os.environ.get("GRADWATCH_RAW", "1") == "0" or probe.branchless or not probe._lean.ok:
+    if os.environ.get("GRADWATCH_RAW", "1") == "0" or probe.branchless or not (probe._lean.ok or probe.raw_mid):
         return None
     return SlotSpec.plan([p.numel() for p in probe.params])
 
