@@ -65,6 +65,11 @@ def run(variant: str, model_name: str, steps: int, show: int) -> dict[str, float
     meds = [statistics.median(r[1][i] for r in rows) for i in range(len(PHASES))]
     print(f"\n{variant}: {len(rows)} steps, median {med * 1e6:.0f} us, p99 {p99 * 1e6:.0f} us, p99/median "
           f"{p99 / med:.2f}; phase medians (us) " + ", ".join(f"{n} {m * 1e6:.1f}" for n, m in zip(PHASES, meds)))
+    mean = statistics.fmean(total)
+    print(f"  mean {mean * 1e6:.0f} us ({mean / med:.3f} x the median); by place in the detail cadence (published % 10), "
+          "median / mean us: " + ", ".join(
+              f"{c}: {statistics.median(v) * 1e6:.0f} / {statistics.fmean(v) * 1e6:.0f}" for c in range(10)
+              if (v := [r[0] for r in rows if r[2] % 10 == c])))
     print(f"  the {show} slowest steps: total us, each phase's excess over its median (us), detail cadence, step")
     for total_s, ph, pub, s in sorted(rows, key=lambda r: -r[0])[:show]:
         excess = " ".join(f"{(v - m) * 1e6:+6.0f}" for v, m in zip(ph, meds))
