@@ -1,16 +1,17 @@
-"""The steady step: ``gw.step()`` of a small CPU model on an ordinary step, in as few Python lines as it takes.
+"""The steady step: ``gw.step()`` of a small CPU model on an ordinary step, in as few Python lines as it takes
+(and of a mid-sized one, for the steps the compiled pass reads in place: ``GradProbe.raw_mid``).
 
-Why (docs/design.md, "The steady step"; bench/README.md §1.4): on the tutorial MLP a training step takes
-about 1 ms and the copy of its gradients into a slot about 20 us, but the general boundary (``Watcher.step``
--> ``Boundaries`` -> ``Collector.boundary`` -> ``raw_boundary`` -> the sender) ran ~60 Python lines more, each
+Why (docs/design.md, "The steady step"; bench/README.md §1.4): on the tutorial MLP a training step takes about
+1 ms and the copy of its gradients into a slot about 20 us, but the general boundary (``Watcher.step`` ->
+``Boundaries`` -> ``Collector.boundary`` -> ``raw_boundary`` -> the sender) ran ~60 Python lines more, each
 1-3 us with caches cold from backward: gradwatch cost 1.1x where the copy alone costs 1.02x. A *steady* step
-needs nothing but the raw hand-off: no trouble, no user scalars, no micro-batch losses, no activation
-hooks, no pause due (a detail step and the one after it add the weights to the copy and a msgpack record). Whatever can only change
-at a boundary is checked once, by :meth:`SteadyStep.arm` after each step the general path took; what can
-change between two boundaries (``gw.log``, a command from the viewer, an optimizer step, the slots, the
-learning rates, the batch's shape) is checked here on every step, and any doubt hands the step to the
-general path before a single piece of state has moved. The slot and the record are byte for byte those
-of :func:`~.raw.raw_boundary`, so the sidecar cannot tell the two apart (tests/test_steady.py).
+needs nothing but the raw hand-off: no trouble, no user scalars, no micro-batch losses, no activation hooks,
+no pause due (a detail step and the one after it add the weights to the copy and a msgpack record). Whatever
+can only change at a boundary is checked once, by :meth:`SteadyStep.arm` after each step the general path
+took; what can change between two boundaries (``gw.log``, a command from the viewer, an optimizer step, the
+slots, the learning rates, the batch's shape) is checked here on every step, and any doubt hands the step to
+the general path before a single piece of state has moved. The slot and the record are byte for byte those of
+:func:`~.raw.raw_boundary`, so the sidecar cannot tell the two apart (tests/test_steady.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ from gradwatch.publisher.data_stats import data_stats
 from gradwatch.publisher.flat import _EXACT
 from gradwatch.publisher.handoff import RAW, pack
 from gradwatch.publisher.parts import Parts
-from gradwatch.publisher.raw import integer_flag
+from gradwatch.publisher.batch_layouts import BatchLayouts
 from gradwatch.publisher.raw_record import (
-    _CLIP, _CLIP_AT, _DETAIL, _HEAD, _IN, _IN_INT, _LOSS, _NORMS, _SETTLE, _SNAP, _TGT, _TGT_INT, MARK, W_DETAIL,
-    W_SETTLE, W_SNAP, detail_hyper,
+    _CLIP, _CLIP_AT, _DETAIL, _HEAD, _LOSS, _NORMS, _SETTLE, _SNAP, MARK, W_DETAIL, W_SETTLE, W_SNAP, detail_hyper,
 )
 from gradwatch.publisher.trouble import FIRST_DETAIL, is_clip, is_detail
 
@@ -80,13 +80,8 @@ class SteadyStep:
         self._lr_bytes = b""
         self._hb: tuple[Any, bytes | None] = (_UNSET, None)  # the last detail step's hyper-parameters, packed
         self._groups = 0
-        #: the batches' key -> [flags, inputs' count, targets' count, values, per-slot destinations, data,
-        #: which travel raw, which get statistics here, the native passes' record buffers (ordinary, settle,
-        #: detail step) or None]
-        self._batches: dict[Any, list[Any]] = {}
-        #: their key in one C call (:data:`.native.batch_key`: bytes, or None where torch's C shim does not serve;
-        #: then a tuple of each batch's shape, dtype and device)
-        self._key = native.batch_key
+        #: the batches' layouts, by their shapes and dtypes (:mod:`.batch_layouts`)
+        self.layouts = BatchLayouts(col.raw, self.native)
 
     # ------------------------------------------------------------------ what only a boundary changes
 
@@ -95,8 +90,9 @@ class SteadyStep:
         w, col, b = self.w, self.col, self.b
         probe, acts = col.probe, col.acts
         self.armed = bool(
-            not w._forked and col.raw is self.raw and col.raw_submit is not None and col.scaler is None and col.every == 1
-            and col.published >= FIRST_DETAIL and not col.first.pending and not col._missed and not col._missed_dev
+            not w._forked and col.raw is self.raw and col.raw_submit is not None and col.scaler is None
+            and col.every == 1 and col.published >= FIRST_DETAIL and not col.first.pending and not col._missed
+            and not col._missed_dev
             and not acts.every and not acts.armed and not acts.probe.attached and not probe.branchless
             and (probe._lean.ok or self.mid) and not probe._snap_active and probe._pending_ur is None
             and col.trigger is None and b.explicit
@@ -136,7 +132,7 @@ class SteadyStep:
                     if not all(type(v) is float for v in key):
                         return False  # a tensor or an int learning rate
                     self._lr_key, self._lr_bytes, self._groups = key, struct.pack(f"<{len(key)}d", *key), len(key)
-        entry = self._batch(inputs, targets)
+        entry = self.layouts.entry(inputs, targets)
         if entry is None:
             return False
         flags, n_in, n_t, nvals, dst, data, pick, stats, outs = entry
@@ -201,8 +197,8 @@ class SteadyStep:
             j = i + i + weights  # per slot: without, with the weights
             views = dst[j]
             if views is None:
-                views = dst[j] = self._destinations(i, inputs if pick & 1 else None, targets if pick & 2 else None,
-                                                    weights)
+                views = dst[j] = self.layouts.destinations(i, inputs if pick & 1 else None,
+                                                           targets if pick & 2 else None, weights)
             src = grads + self.params if weights else grads
             if pick:
                 src = src + ([inputs] if pick == 1 else [targets] if pick == 2 else [inputs, targets])
@@ -311,60 +307,3 @@ class SteadyStep:
             meta["opt"] = hyper if hyper is not None else col.hyper(False)[0]
         col.take_clip(parts, meta)
         return pack([RAW, step, time.time(), i, seq, meta, parts.values, data, wflags]), wflags
-
-    # ------------------------------------------------------------------ the batches (cached by shape)
-
-    def _batch(self, inputs: Any, targets: Any) -> list[Any] | None:
-        """For batches of this shape: [flags, inputs' count, targets' count, values in the slot, per-slot
-        destinations, the record's data list, which travel raw (1 inputs, 2 targets, 3 both), which get
-        their statistics here]; None when one is not a CPU tensor (a dict, on a device: the general path).
-        A batch of up to 128 values travels raw in the slot; a bigger one gets :func:`data_stats` on the
-        training thread, as in raw_boundary."""
-        key = self._key(inputs, targets) if self._key is not None else None  # (torch's C shim: one call)
-        if key is not None:
-            entry = self._batches.get(key)
-            if entry is not None:
-                return entry
-        else:
-            kin = None if inputs is None else (inputs.shape, inputs.dtype, inputs.is_cpu) \
-                if isinstance(inputs, _Tensor) else False
-            kt = None if targets is None else (targets.shape, targets.dtype, targets.is_cpu) \
-                if isinstance(targets, _Tensor) else False
-            key = (kin, kt)
-            entry = self._batches.get(key)
-            if entry is not None or kin is False or kt is False:
-                return entry
-        raw = self.raw
-        flags, counts, pick, stats, data = 0, [0, 0], 0, [], []
-        for k, (name, t, f, f_int) in enumerate((("inputs", inputs, _IN, _IN_INT), ("targets", targets, _TGT, _TGT_INT))):
-            if t is None:
-                continue
-            if not t.is_cpu or t.layout is not torch.strided:
-                return None
-            if raw.batch(t):
-                flags |= f | (f_int if integer_flag(t) else 0)
-                counts[k], pick = t.numel(), pick | (k + 1)
-                data.append([name, t.numel(), integer_flag(t)])
-            else:
-                stats.append(name)
-        if len(self._batches) >= 8:
-            self._batches.clear()  # varying batch shapes: rebuild rather than grow
-        outs = None  # the native passes' record buffers: 1, 2 or 3 float64 per tensor, then the raw batches
-        if self.native is not None and all(
-                t is None or not pick & (k + 1) or t.dtype in native.BATCH_DTYPES for k, t in enumerate((inputs, targets))):
-            outs = tuple(bytearray(8 * j * len(self.sizes) + 4 * (counts[0] + counts[1])) for j in (1, 2, 3))
-        entry = self._batches[key] = [flags, counts[0], counts[1], counts[0] + counts[1],
-                                            [None] * (2 * self.table.spec.k), data, pick, tuple(stats), outs]
-        return entry
-
-    def _destinations(self, i: int, inputs: Any, targets: Any, weights: bool = False) -> list[torch.Tensor]:
-        """Slot ``i``'s views for the gradients, the weights if asked and these batches (in the order
-        raw_boundary copies them)."""
-        raw = self.raw
-        base, pos = raw._slots[i][raw.spec.data_at:], 0
-        out = raw._views[i] + raw._wviews[i] if weights else list(raw._views[i])
-        for t in (inputs, targets):
-            if t is not None:
-                out.append(base[pos:pos + t.numel()].view(t.shape))
-                pos += t.numel()
-        return out
