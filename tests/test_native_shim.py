@@ -52,7 +52,8 @@ def _tensors(seed: int) -> list[torch.Tensor]:
         inference = torch.randn(rows, generator=g)
     out = [base, base.t(), base[1:], base[:, :1], base.reshape(-1)[1:], base.double(), base.long(), base.int(),
            base.bfloat16(), base.half(), base.to(torch.uint8), base.bool(), torch.tensor(0.5), torch.empty(0),
-           torch.empty(0, cols), torch.zeros(rows, device="meta"), base.to_sparse(), base.unsqueeze(0).expand(3, -1, -1),
+           torch.empty(0, cols), torch.zeros(rows, device="meta"), base.to_sparse(),
+           base.unsqueeze(0).expand(3, -1, -1),
            inference, base.as_subclass(Sub), torch.randn(rows, cols, generator=g).requires_grad_(),
            torch.nn.Parameter(base.clone()), *grads, *model.parameters(), torch.complex(base, base)]
     return [t for t in out if t is not None]
@@ -124,7 +125,8 @@ def test_the_passes_give_the_same_bytes_either_way(seed: int) -> None:
     total = float(sum(p.grad.double().square().sum() for p in params))  # type: ignore[union-attr]
     assert math.isclose(shim[0][0], total, rel_tol=5e-6)  # type: ignore[index]
     assert shim[0][1] == pytest.approx(loss.item())  # type: ignore[index]
-    assert np.frombuffer(shim[4], dtype=np.float32).tolist() == torch.cat([p.detach().reshape(-1) for p in params]).tolist()
+    weights = torch.cat([p.detach().reshape(-1) for p in params])
+    assert np.frombuffer(shim[4], dtype=np.float32).tolist() == weights.tolist()
     kept = params[0].grad
     for bad in (kept.t().contiguous().t(), None):  # transposed in memory; no gradient at all
         params[0].grad = bad
@@ -139,17 +141,18 @@ def test_the_passes_give_the_same_bytes_either_way(seed: int) -> None:
 def test_a_binding_it_cannot_verify_leaves_the_attribute_calls() -> None:
     """A library that is not the loaded torch, addresses that are not the probes' own, bad arguments: the shim
     stays unbound, says why, and the passes still read correctly through the attribute calls."""
-    t = torch.arange(6, dtype=torch.float32)
+    t, lib = torch.arange(6, dtype=torch.float32), native.torch_library()
     try:
         why = _native.shim_bind("/nonexistent/libtorch_cpu.so", (t,), (t._cdata,))
         assert "not the loaded torch library" in why
         assert _native.tensor_facts(t, 0) == (t.data_ptr(), 24, torch.float32)  # the attribute calls serve
-        why = _native.shim_bind(_lib(), (t,), (t._cdata + 64,))  # not where this build expects the at::Tensor
+        why = _native.shim_bind(lib, (t,), (t._cdata + 64,))  # not where this build expects the at::Tensor
         assert "layout" in why
-        why = _native.shim_bind(_lib(), (t.as_subclass(Sub),), (t._cdata,))
+        why = _native.shim_bind(lib, (t.as_subclass(Sub),), (t._cdata,))
         assert "not a torch.Tensor" in why
-        assert _native.tensor_facts(t.reshape(2, 3).t(), 0) is None and _native.tensor_facts(t, 0) == (t.data_ptr(), 24, torch.float32)
-        for bad in [(), (_lib(), (t,)), (_lib(), (t,), (1, 2)), (_lib(), [t], [t._cdata]), (_lib(), (), ())]:
+        assert _native.tensor_facts(t.reshape(2, 3).t(), 0) is None
+        assert _native.tensor_facts(t, 0) == (t.data_ptr(), 24, torch.float32)
+        for bad in [(), (lib, (t,)), (lib, (t,), (1, 2)), (lib, [t], [t._cdata]), (lib, (), ())]:
             with pytest.raises(TypeError):
                 _native.shim_bind(*bad)
         with pytest.raises(TypeError):
@@ -157,12 +160,6 @@ def test_a_binding_it_cannot_verify_leaves_the_attribute_calls() -> None:
     finally:
         native.bind_shim(_native)
     assert native.tensor_access == "shim"
-
-
-def _lib() -> str:
-    import glob
-
-    return sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*")))[0]
 
 
 def test_gradwatch_shim_0_keeps_the_attribute_calls() -> None:

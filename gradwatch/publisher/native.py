@@ -75,6 +75,13 @@ def _expected(t: torch.Tensor, batch: int) -> tuple[int, int, Any] | None:
         return None
 
 
+def torch_library() -> str:
+    """Where the loaded torch's libtorch_cpu is: the file beside torch (pip), else its name, which dlopen matches
+    against the libraries already loaded (a torch whose libraries live elsewhere: conda's lib/)."""
+    libs = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*")))
+    return libs[0] if libs else "libtorch_cpu.dylib" if sys.platform == "darwin" else "libtorch_cpu.so"
+
+
 def bind_shim(mod: Any) -> None:
     """Let the passes ask torch's C shim instead of the attribute calls, when it gives the same answers on every
     probe (docs/design.md, "Tensor facts through torch's C shim"); ``GRADWATCH_SHIM=0`` keeps the attribute calls."""
@@ -85,10 +92,7 @@ def bind_shim(mod: Any) -> None:
         return
     try:
         probes = _probes()
-        # the file beside torch (pip), else by its name: a torch whose libraries live elsewhere (conda's lib/)
-        libs = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*")))
-        lib = libs[0] if libs else "libtorch_cpu.dylib" if sys.platform == "darwin" else "libtorch_cpu.so"
-        why = mod.shim_bind(lib, tuple(probes), tuple(t._cdata for t in probes))
+        why = mod.shim_bind(torch_library(), tuple(probes), tuple(t._cdata for t in probes))
         for t in probes if not why else ():
             for batch in (0, 1, 2):
                 if mod.tensor_facts(t, batch) != _expected(t, batch):

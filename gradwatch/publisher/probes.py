@@ -102,8 +102,7 @@ class GradProbe:
             if self.overlap is not None and self._uniform else None
         #: A CPU model past the lean path's size and short of the overlap's (float32, up to RAW_MAX values): the
         #: steady step serves its steps that the compiled pass reads where they lie, and only those (steady.py)
-        self.raw_mid = bool(not self._lean.ok and not self.cuda and self.overlap is None and self._f32
-                            and self.device.type == "cpu"
+        self.raw_mid = bool(not self._lean.ok and self.overlap is None and self._f32 and self.device.type == "cpu"
                             and native.param_grad_sumsq is not None and all(p.numel() for p in params)
                             and sum(p.numel() for p in params) <= RAW_MAX)
 

@@ -159,7 +159,8 @@ def _start_sidecar(w: Watcher, key: bytes, endpoint: str, frame: int, control: b
 
 def _slot_spec(w: Watcher) -> Any:
     """The raw hand-off's slots (:mod:`.slots`) for a small CPU model (or a mid-sized one whose steady steps
-    the compiled pass reads in place, ``GradProbe.raw_mid``), or None (every step then takes the ordinary path). ``GRADWATCH_RAW=0`` turns it off (benchmarks compare both)."""
+    the compiled pass reads in place, ``GradProbe.raw_mid``), or None (every step then takes the ordinary
+    path). ``GRADWATCH_RAW=0`` turns it off (benchmarks compare both)."""
     from gradwatch.publisher.slots import SlotSpec
 
     probe = w._probe
